@@ -1,0 +1,186 @@
+"""Configuration: frozen dataclasses, validated once, resolved in one place.
+
+Precedence is always keyword argument > environment variable > default. The
+environment variables are torch_cgx's, with torch_cgx's meaning and defaults, so a
+torch_cgx job moves over unchanged:
+
+====================================  ==========  =========================================
+variable                              default     meaning
+====================================  ==========  =========================================
+CGX_COMPRESSION_QUANTIZATION_BITS     32          bits per value; 32 means no compression
+CGX_COMPRESSION_BUCKET_SIZE           512         values sharing one (unit, min) pair
+CGX_COMPRESSION_MINIMAL_SIZE          16          layers with fewer values go uncompressed
+CGX_COMPRESSION_STOCHASTIC            0           1: unbiased stochastic rounding
+CGX_UCX_TIMEOUT                       300         seconds any single wait may take
+====================================  ==========  =========================================
+
+Nothing here reads the environment at import time: :func:`resolve_compression` and
+:func:`resolve_comm` read it when they are called (the backend calls them when each
+collective starts, so a script may change the variables between calls, as with
+torch_cgx).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = [
+    "ENV_BITS",
+    "ENV_BUCKET_SIZE",
+    "ENV_MINIMAL_SIZE",
+    "ENV_STOCHASTIC",
+    "ENV_TIMEOUT",
+    "NO_COMPRESSION_BITS",
+    "CommConfig",
+    "CompressionConfig",
+    "resolve_comm",
+    "resolve_compression",
+]
+
+log = logging.getLogger("cgx_ucx")
+
+ENV_BITS = "CGX_COMPRESSION_QUANTIZATION_BITS"
+ENV_BUCKET_SIZE = "CGX_COMPRESSION_BUCKET_SIZE"
+ENV_MINIMAL_SIZE = "CGX_COMPRESSION_MINIMAL_SIZE"
+ENV_STOCHASTIC = "CGX_COMPRESSION_STOCHASTIC"
+ENV_TIMEOUT = "CGX_UCX_TIMEOUT"
+
+#: torch_cgx's value for "do not quantize".
+NO_COMPRESSION_BITS = 32
+#: Quantized widths the codec supports (CGX paper: 1..8 bits per value).
+VALID_BITS = frozenset(range(1, 9)) | {NO_COMPRESSION_BITS}
+#: torch_cgx forces its minimal compressed size to at least 16 values.
+MIN_COMPRESSED_SIZE = 16
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    """How values are quantized on the wire.
+
+    ``bits`` 1..8 quantize (max-min bucketed, as CGX); 32 sends values as they are.
+    ``bucket_size`` values share one float32 (unit, min) pair. Layers with fewer
+    than ``minimal_size`` values are sent uncompressed. ``stochastic`` selects
+    unbiased stochastic rounding from a generator seeded with ``seed``.
+    """
+
+    bits: int = NO_COMPRESSION_BITS
+    bucket_size: int = 512
+    minimal_size: int = MIN_COMPRESSED_SIZE
+    stochastic: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.bits not in VALID_BITS:
+            raise ConfigError(f"bits must be 1..8 or 32 (no compression), got {self.bits!r}")
+        if not isinstance(self.bucket_size, int) or self.bucket_size < 1:
+            raise ConfigError(f"bucket_size must be an integer >= 1, got {self.bucket_size!r}")
+        if not isinstance(self.minimal_size, int) or self.minimal_size < 0:
+            raise ConfigError(f"minimal_size must be an integer >= 0, got {self.minimal_size!r}")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
+            raise ConfigError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+
+    @property
+    def enabled(self) -> bool:
+        """True when values are quantized (bits < 32)."""
+        return self.bits != NO_COMPRESSION_BITS
+
+    def bits_for(self, numel: int) -> int:
+        """Bits used for a layer of ``numel`` values (small layers go uncompressed)."""
+        if numel < max(self.minimal_size, 1):
+            return NO_COMPRESSION_BITS
+        return self.bits
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    """How a communicator waits and moves bytes.
+
+    ``timeout`` bounds every single wait (seconds): a peer that dies or goes
+    silent is reported as :class:`~cgx_ucx.errors.PeerLostError` within it.
+    ``progress_mode`` is UCXX's ("blocking" measured best on 2 cores here: low
+    latency, no idle CPU; "thread" had millisecond tails). ``ucx_env`` holds UCX
+    variables applied only where the user has not set them.
+    """
+
+    timeout: float = 300.0
+    connect_timeout: float = 60.0
+    progress_mode: str = "blocking"
+    ucx_env: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.timeout > 0:
+            raise ConfigError(f"timeout must be > 0 seconds, got {self.timeout!r}")
+        if not self.connect_timeout > 0:
+            raise ConfigError(f"connect_timeout must be > 0 seconds, got {self.connect_timeout!r}")
+        if self.progress_mode not in ("blocking", "polling", "thread", "thread-polling"):
+            raise ConfigError(f"unknown progress_mode {self.progress_mode!r}")
+
+
+def _env_int(name: str, env: Mapping[str, str]) -> int | None:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from exc
+
+
+def _env_float(name: str, env: Mapping[str, str]) -> float | None:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        return float(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{name}={raw!r} is not a number") from exc
+
+
+def _merge(cls: type, defaults: Any, env_values: dict[str, Any], kwargs: dict[str, Any]) -> Any:
+    known = {f.name for f in fields(cls)}
+    unknown = set(kwargs) - known
+    if unknown:
+        raise ConfigError(f"unknown {cls.__name__} option(s): {sorted(unknown)}")
+    values = {k: v for k, v in env_values.items() if v is not None}
+    values.update({k: v for k, v in kwargs.items() if v is not None})
+    return replace(defaults, **values)
+
+
+def resolve_compression(
+    base: CompressionConfig | None = None,
+    env: Mapping[str, str] | None = None,
+    **kwargs: Any,
+) -> CompressionConfig:
+    """Resolve a :class:`CompressionConfig`: keyword > environment > ``base`` > default.
+
+    Keywords whose value is ``None`` count as not given.
+    """
+    env = os.environ if env is None else env
+    stochastic = _env_int(ENV_STOCHASTIC, env)
+    minimal = _env_int(ENV_MINIMAL_SIZE, env)
+    env_values = {
+        "bits": _env_int(ENV_BITS, env),
+        "bucket_size": _env_int(ENV_BUCKET_SIZE, env),
+        # torch_cgx forces the minimal size to at least 16 values.
+        "minimal_size": None if minimal is None else max(minimal, MIN_COMPRESSED_SIZE),
+        "stochastic": None if stochastic is None else bool(stochastic),
+    }
+    return _merge(CompressionConfig, base or CompressionConfig(), env_values, kwargs)
+
+
+def resolve_comm(
+    base: CommConfig | None = None,
+    env: Mapping[str, str] | None = None,
+    **kwargs: Any,
+) -> CommConfig:
+    """Resolve a :class:`CommConfig`: keyword > environment > ``base`` > default."""
+    env = os.environ if env is None else env
+    env_values = {"timeout": _env_float(ENV_TIMEOUT, env)}
+    cfg = _merge(CommConfig, base or CommConfig(), env_values, kwargs)
+    return cfg
