@@ -1,0 +1,434 @@
+"""The wire format of a compressed segment, its validation, and backend dispatch.
+
+An encoded segment is one contiguous ``uint8`` buffer (DESIGN.md, "Wire format")::
+
+    offset  size            field
+    0       24              header (below)
+    24      8 * nbuckets    meta: per bucket two float32 (unit, min), bucket after bucket
+    24+8nb  ceil(n*bits/8)  codes: value i occupies stream bits [i*bits, (i+1)*bits),
+                            stream bit k = bit (k % 8) of code byte k // 8 (little-endian);
+                            codes run contiguously across buckets
+
+With ``bits == 32`` (RAW, torch_cgx's "no compression") there is no meta: the header is
+followed by the ``numel`` values in their own dtype (``numel * itemsize`` bytes).
+
+The header, little-endian, ``struct`` format ``<4sBBBBIQI``::
+
+    0   4s  magic      b"CGXQ"
+    4   B   version    1
+    5   B   bits       1..8, or 32 for RAW
+    6   B   dtype      0 float32, 1 float16, 2 bfloat16 (the dtype decode produces)
+    7   B   flags      bit 0: stochastic rounding was used (informational); others 0
+    8   I   bucket     values per (unit, min) pair, >= 1
+    12  Q   numel      number of values
+    20  I   reserved   0
+
+:func:`read_header` accepts a buffer only when every field is known and its length is
+*exactly* :func:`encoded_nbytes` of the header, so a truncated, extended or garbage buffer
+is a :class:`~cgx_ucx.errors.CodecError` before anything is allocated or read beyond the
+header, and ``numel`` is bounded by the real buffer length (at most 8 values per byte).
+
+Quantization (CGX, Markov et al. 2022, max-min bucketed): per bucket of B values
+(the last may be shorter), in float32: ``mn = min + 0``, ``mx = max + 0`` (adding +0 turns
+-0 into +0, so every backend picks the same zero), ``unit = (mx - mn) / (2**bits - 1)``,
+``code = floor((x - mn) / unit + 0.5)`` clipped to ``[0, 2**bits - 1]`` (``unit == 0``
+gives code 0, so constant buckets decode exactly); decode is ``mn + unit * code`` in
+float32. Stochastic rounding computes ``t = (x - mn) / unit`` and rounds ``floor(t)`` up
+when ``u < t - floor(t)`` with ``u`` in [0, 1) drawn from a counter-based hash of
+``(seed, index of the value in the segment)`` (splitmix64), so it is unbiased, never off
+by a whole unit, reproducible and identical on every backend. A bucket holding NaN or Inf
+gets ``unit = min = NaN`` and codes 0: all its values decode NaN (AMP's GradScaler must
+see the overflow); the other buckets are unaffected. A bucket whose range ``max - min``
+overflows float32 (beyond 3.4e38) is treated the same way.
+
+The NumPy reference (:mod:`.reference`), the Numba kernels (:mod:`.cpu`) and the CUDA
+kernels (:mod:`.gpu`) perform the same float32 operations in the same order, without
+fused multiply-add or fast-math, so their bytes are identical.
+
+Array inputs are NumPy arrays (Numba backend) or CuPy arrays (CUDA backend, CuPy is only
+imported when a CuPy array is given); bfloat16 means ``ml_dtypes.bfloat16``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import struct
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from ..errors import CodecError, ConfigError
+
+__all__ = [
+    "HEADER_NBYTES",
+    "MAGIC",
+    "RAW_BITS",
+    "VERSION",
+    "CodecHeader",
+    "backend_name",
+    "decode",
+    "decode_add",
+    "encode",
+    "encoded_nbytes",
+    "read_header",
+]
+
+MAGIC = b"CGXQ"
+VERSION = 1
+#: bits value of an uncompressed (RAW) segment: torch_cgx's "32 = no compression".
+RAW_BITS = 32
+_HEADER = struct.Struct("<4sBBBBIQI")
+HEADER_NBYTES: int = _HEADER.size
+assert HEADER_NBYTES == 24
+#: Bytes of meta per bucket: float32 unit and float32 min.
+META_NBYTES = 8
+#: Flag bits of the header.
+FLAG_STOCHASTIC = 1
+_KNOWN_FLAGS = FLAG_STOCHASTIC
+#: Largest bucket the u32 header field holds.
+MAX_BUCKET_SIZE = 2**32 - 1
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+_DTYPE_CODES: dict[np.dtype, int] = {
+    np.dtype(np.float32): 0,
+    np.dtype(np.float16): 1,
+    BFLOAT16: 2,
+}
+_CODE_DTYPES = {code: dt for dt, code in _DTYPE_CODES.items()}
+
+
+@dataclass(frozen=True)
+class CodecHeader:
+    """The validated header of an encoded segment: exactly what decoding needs."""
+
+    bits: int
+    bucket_size: int
+    numel: int
+    dtype: np.dtype
+    stochastic: bool = False
+
+    @property
+    def raw(self) -> bool:
+        """True for an uncompressed (bits == 32) segment."""
+        return self.bits == RAW_BITS
+
+    @property
+    def nbuckets(self) -> int:
+        """Number of (unit, min) pairs; 0 for RAW segments."""
+        return 0 if self.raw else -(-self.numel // self.bucket_size)
+
+    @property
+    def meta_offset(self) -> int:
+        return HEADER_NBYTES
+
+    @property
+    def codes_offset(self) -> int:
+        """Offset of the code bytes (or of the raw values)."""
+        return HEADER_NBYTES + META_NBYTES * self.nbuckets
+
+    @property
+    def nbytes(self) -> int:
+        """Exact length of the encoded segment."""
+        return encoded_nbytes(self.numel, self.bits, self.bucket_size, self.dtype)
+
+    def pack(self) -> bytes:
+        """The 24 header bytes."""
+        flags = FLAG_STOCHASTIC if self.stochastic else 0
+        return _HEADER.pack(
+            MAGIC,
+            VERSION,
+            self.bits,
+            _DTYPE_CODES[self.dtype],
+            flags,
+            self.bucket_size,
+            self.numel,
+            0,
+        )
+
+
+def _check_bits(bits: Any) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, int | np.integer):
+        raise ConfigError(f"bits must be an integer 1..8 or 32, got {bits!r}")
+    bits = int(bits)
+    if not (1 <= bits <= 8 or bits == RAW_BITS):
+        raise ConfigError(f"bits must be 1..8 or 32 (no compression), got {bits}")
+    return bits
+
+
+def _check_bucket_size(bucket_size: Any) -> int:
+    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int | np.integer):
+        raise ConfigError(f"bucket_size must be an integer >= 1, got {bucket_size!r}")
+    bucket_size = int(bucket_size)
+    if not 1 <= bucket_size <= MAX_BUCKET_SIZE:
+        raise ConfigError(f"bucket_size must be in [1, 2**32), got {bucket_size}")
+    return bucket_size
+
+
+def _value_dtype(dtype: Any) -> np.dtype:
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as exc:
+        raise CodecError(f"not a dtype: {dtype!r}") from exc
+    if dt not in _DTYPE_CODES:
+        raise CodecError(f"values must be float32, float16 or bfloat16, got {dt}")
+    return dt
+
+
+def encoded_nbytes(numel: int, bits: int, bucket_size: int, dtype: Any = np.float32) -> int:
+    """Exact byte length of an encoded segment of ``numel`` values.
+
+    Quantized: header + 8 bytes of meta per bucket + ``ceil(numel * bits / 8)`` code bytes.
+    RAW (``bits == 32``): header + ``numel * itemsize(dtype)``.
+    """
+    bits = _check_bits(bits)
+    bucket_size = _check_bucket_size(bucket_size)
+    if isinstance(numel, bool) or not isinstance(numel, int | np.integer) or numel < 0:
+        raise CodecError(f"numel must be an integer >= 0, got {numel!r}")
+    numel = int(numel)
+    if bits == RAW_BITS:
+        return HEADER_NBYTES + numel * _value_dtype(dtype).itemsize
+    nbuckets = -(-numel // bucket_size)
+    return HEADER_NBYTES + META_NBYTES * nbuckets + (numel * bits + 7) // 8
+
+
+# ---------------------------------------------------------------------------------------
+# array kinds
+
+
+def _is_cupy(a: Any) -> bool:
+    return type(a).__module__.split(".", 1)[0] == "cupy"
+
+
+def backend_name(x: Any) -> str:
+    """``"cupy"`` for CuPy arrays, ``"numba"`` for everything on the host."""
+    return "cupy" if _is_cupy(x) else "numba"
+
+
+_BACKENDS: dict[str, ModuleType] = {}
+
+
+def _backend(name: str) -> ModuleType:
+    """The backend module, imported on first use (Numba or CuPy are never imported early)."""
+    mod = _BACKENDS.get(name)
+    if mod is None:
+        modname = {"numba": "cpu", "numpy": "reference", "cupy": "gpu"}[name]
+        mod = importlib.import_module(f"{__package__}.{modname}")
+        _BACKENDS[name] = mod
+    return mod
+
+
+def _host_header_bytes(buf: Any) -> bytes:
+    if _is_cupy(buf):
+        return bytes(buf[:HEADER_NBYTES].get())
+    return buf[:HEADER_NBYTES].tobytes()
+
+
+def _as_buffer(buf: Any) -> Any:
+    """A 1-D contiguous uint8 view of ``buf`` (NumPy/CuPy array or bytes-like)."""
+    if _is_cupy(buf) or isinstance(buf, np.ndarray):
+        if buf.dtype != np.uint8 or buf.ndim != 1:
+            raise CodecError(
+                f"an encoded buffer is a 1-D uint8 array, got {buf.dtype} with shape {buf.shape}"
+            )
+        if not buf.flags.c_contiguous:
+            raise CodecError("an encoded buffer must be contiguous")
+        return buf
+    try:
+        return np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
+    except (TypeError, ValueError) as exc:
+        raise CodecError(f"not a buffer: {type(buf).__name__}") from exc
+
+
+# ---------------------------------------------------------------------------------------
+# header
+
+
+def read_header(buf: Any) -> CodecHeader:
+    """Parse and validate the header of an encoded segment.
+
+    Raises :class:`~cgx_ucx.errors.CodecError` unless magic, version, bits, dtype, flags,
+    bucket size and reserved field are valid and ``len(buf)`` equals the exact encoded
+    length the header implies.
+    """
+    buf = _as_buffer(buf)
+    n = int(buf.shape[0])
+    if n < HEADER_NBYTES:
+        raise CodecError(f"truncated: {n} bytes, a header alone is {HEADER_NBYTES}")
+    magic, version, bits, dcode, flags, bucket, numel, reserved = _HEADER.unpack(
+        _host_header_bytes(buf)
+    )
+    if magic != MAGIC:
+        raise CodecError(f"bad magic {magic!r}: not a cgx_ucx encoded segment")
+    if version != VERSION:
+        raise CodecError(f"unsupported codec version {version} (this is {VERSION})")
+    if not (1 <= bits <= 8 or bits == RAW_BITS):
+        raise CodecError(f"bad bits field {bits}")
+    if dcode not in _CODE_DTYPES:
+        raise CodecError(f"bad dtype code {dcode}")
+    if flags & ~_KNOWN_FLAGS:
+        raise CodecError(f"unknown flags 0x{flags:02x}")
+    if bucket < 1:
+        raise CodecError("bad bucket size 0")
+    if reserved != 0:
+        raise CodecError(f"reserved header field is {reserved}, expected 0")
+    hdr = CodecHeader(bits, bucket, numel, _CODE_DTYPES[dcode], bool(flags & FLAG_STOCHASTIC))
+    expected = hdr.nbytes  # Python ints: no overflow for any numel
+    if n != expected:
+        kind = "truncated" if n < expected else "oversized"
+        raise CodecError(f"{kind}: {n} bytes, the header implies exactly {expected}")
+    return hdr
+
+
+# ---------------------------------------------------------------------------------------
+# checks shared by every backend
+
+
+def _check_values(x: Any) -> np.dtype:
+    if not (_is_cupy(x) or isinstance(x, np.ndarray)):
+        raise CodecError(f"encode takes a NumPy or CuPy array, got {type(x).__name__}")
+    dt = _value_dtype(x.dtype)
+    if x.ndim != 1 or not x.flags.c_contiguous:
+        raise CodecError(f"encode takes a 1-D contiguous array, got shape {x.shape}")
+    return dt
+
+
+def _same_kind(a: Any, b: Any, what: str) -> None:
+    if _is_cupy(a) != _is_cupy(b):
+        raise CodecError(f"{what} must be on the same device as the encoded buffer")
+    if _is_cupy(a):
+        if a.device.id != b.device.id:
+            raise CodecError(f"{what} is on device {b.device.id}, the buffer on {a.device.id}")
+    elif not isinstance(b, np.ndarray):
+        raise CodecError(f"{what} must be a NumPy array, got {type(b).__name__}")
+
+
+def _is_float_dtype(dt: np.dtype) -> bool:
+    return dt == BFLOAT16 or (dt.kind == "f")
+
+
+def _check_out(out: Any, numel: int, buf: Any, what: str = "out") -> None:
+    _same_kind(buf, out, what)
+    if not _is_float_dtype(out.dtype):
+        raise CodecError(f"{what} must have a float dtype, got {out.dtype}")
+    if out.ndim != 1 or not out.flags.c_contiguous:
+        raise CodecError(f"{what} must be 1-D contiguous, got shape {out.shape}")
+    if out.shape[0] != numel:
+        raise CodecError(f"{what} has {out.shape[0]} values, the segment holds {numel}")
+    if not out.flags.writeable:
+        raise CodecError(f"{what} is read-only")
+
+
+# ---------------------------------------------------------------------------------------
+# encode / decode / decode_add, generic over a backend module
+
+
+def encode_with(
+    backend: ModuleType,
+    x: Any,
+    bits: int,
+    bucket_size: int = 1024,
+    *,
+    out: Any = None,
+    stochastic: bool = False,
+    seed: int = 0,
+) -> Any:
+    """:func:`encode` through a given backend module (used by :mod:`.reference`)."""
+    dt = _check_values(x)
+    bits = _check_bits(bits)
+    bucket_size = _check_bucket_size(bucket_size)
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
+        raise ConfigError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+    seed = int(seed)
+    if not 0 <= seed < 2**64:
+        raise ConfigError(f"seed must be an integer in [0, 2**64), got {seed}")
+    numel = int(x.shape[0])
+    stochastic = bool(stochastic) and bits != RAW_BITS
+    hdr = CodecHeader(bits, bucket_size, numel, dt, stochastic)
+    nbytes = hdr.nbytes
+    if out is None:
+        buf = backend.empty_bytes(nbytes, like=x)
+    else:
+        if not (_is_cupy(out) or isinstance(out, np.ndarray)):
+            raise CodecError(f"out must be a uint8 array, got {type(out).__name__}")
+        _same_kind(x, out, "out")
+        if out.dtype != np.uint8 or out.ndim != 1 or not out.flags.c_contiguous:
+            raise CodecError("out must be a 1-D contiguous uint8 array")
+        if out.shape[0] < nbytes:
+            raise CodecError(f"out holds {out.shape[0]} bytes, the encoding needs {nbytes}")
+        buf = out[:nbytes]
+    backend.encode_into(x, hdr, seed, buf)
+    return buf
+
+
+def decode_with(backend: ModuleType, buf: Any, out: Any = None) -> Any:
+    """:func:`decode` through a given backend module (used by :mod:`.reference`)."""
+    buf = _as_buffer(buf)
+    hdr = read_header(buf)
+    if out is None:
+        out = backend.empty_values(hdr.numel, hdr.dtype, like=buf)
+    else:
+        _check_out(out, hdr.numel, buf)
+    if hdr.numel:
+        backend.decode_into(buf, hdr, out)
+    return out
+
+
+def decode_add_with(backend: ModuleType, buf: Any, acc: Any) -> Any:
+    """:func:`decode_add` through a given backend module (used by :mod:`.reference`)."""
+    buf = _as_buffer(buf)
+    hdr = read_header(buf)
+    _check_out(acc, hdr.numel, buf, "acc")
+    if acc.dtype != np.float32:
+        raise CodecError(f"acc must be float32, got {acc.dtype}")
+    if hdr.numel:
+        backend.decode_add_into(buf, hdr, acc)
+    return acc
+
+
+def _backend_for(a: Any) -> ModuleType:
+    return _backend("cupy" if _is_cupy(a) else "numba")
+
+
+def encode(
+    x: Any,
+    bits: int,
+    bucket_size: int = 1024,
+    *,
+    out: Any = None,
+    stochastic: bool = False,
+    seed: int = 0,
+) -> Any:
+    """Encode ``x`` (1-D float32/float16/bfloat16, NumPy or CuPy) into a segment.
+
+    ``out``: a uint8 array on the same device with at least :func:`encoded_nbytes` bytes;
+    the segment is written to its front and ``out[:nbytes]`` returned (nothing is
+    allocated). Without ``out`` a new array is allocated. ``bits`` 1..8 quantize, 32 copies
+    the values (RAW). ``stochastic`` selects unbiased stochastic rounding seeded by
+    ``seed`` (0 <= seed < 2**64); use a different seed for every segment and step.
+    """
+    return encode_with(
+        _backend_for(x), x, bits, bucket_size, out=out, stochastic=stochastic, seed=seed
+    )
+
+
+def decode(buf: Any, out: Any = None) -> Any:
+    """Decode a segment (validated first) into a new array of its dtype, or into ``out``.
+
+    ``out`` may have any float dtype (values are converted, round-to-nearest-even) and
+    must hold exactly ``numel`` values on the buffer's device. NumPy in, NumPy out; CuPy
+    in, CuPy out.
+    """
+    buf = _as_buffer(buf)
+    return decode_with(_backend_for(buf), buf, out)
+
+
+def decode_add(buf: Any, acc: Any) -> Any:
+    """``acc += decode(buf)`` in one fused pass; ``acc`` is float32 of ``numel`` values.
+
+    This is the reduction step of the scatter-reduce allreduce. Returns ``acc``.
+    """
+    buf = _as_buffer(buf)
+    return decode_add_with(_backend_for(buf), buf, acc)
