@@ -1,0 +1,291 @@
+"""The link emulator (cgx_ucx.bench.netns): namespaces, shaping, teardown, crash clean-up.
+
+Tests that build namespaces need root and iproute2; without them they skip and say why
+(CI runs as root, so there they run). Each one checks that nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from cgx_ucx.bench import netns
+from cgx_ucx.bench.netns import LinkEmulator, cleanup_stale, parse_rate
+from cgx_ucx.errors import CGXError, CGXTimeoutError, ConfigError, TransportError
+
+MISSING = netns.missing_prerequisites()
+needs_netns = pytest.mark.skipif(
+    bool(MISSING), reason="link emulation needs " + ", ".join(MISSING or ["nothing"])
+)
+#: A prefix of our own, so these tests never touch the namespaces of a benchmark running now.
+PREFIX = "cgxtest"
+
+
+def _namespaces() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10)
+    return {line.split()[0] for line in out.stdout.splitlines() if line.strip()}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie child of ours is dead for this purpose.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+# ------------------------------------------------------------------ no root needed
+
+
+@pytest.mark.parametrize(
+    ("text", "bps"),
+    [
+        ("1gbit", 10**9),
+        ("25Gbit", 25 * 10**9),
+        ("2.5gbit", 2_500_000_000),
+        ("100mbit", 10**8),
+        (" 5 gbit ", 5 * 10**9),
+        (10**9, 10**9),
+        ("12000", 12000),
+    ],
+)
+def test_parse_rate(text: str | int, bps: int) -> None:
+    assert parse_rate(text) == bps
+    assert parse_rate(netns.format_rate(bps)) == bps
+
+
+@pytest.mark.parametrize("bad", ["1gbps", "fast", "", "-1gbit", "1000bit", True, "1 gbit/s"])
+def test_parse_rate_rejects(bad: object) -> None:
+    with pytest.raises(ConfigError):
+        parse_rate(bad)  # type: ignore[arg-type]
+
+
+def test_tbf_sizes_follow_the_rate() -> None:
+    # 1 ms at line rate, never below the 128 KiB that lets 64 KiB GSO packets through whole.
+    assert netns.tbf_burst_bytes(10**8) == netns.BURST_FLOOR_BYTES
+    assert netns.tbf_burst_bytes(10 * 10**9) == 1_250_000
+    assert netns.tbf_limit_bytes(10**9) == netns.BURST_FLOOR_BYTES + 2_500_000
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"world_size": 0}, "world_size"),
+        ({"world_size": 255}, "world_size"),
+        ({"world_size": 2, "mtu": 100}, "mtu"),
+        ({"world_size": 2, "prefix": "Bad-Prefix"}, "prefix"),
+        ({"world_size": 2, "delay": -1.0}, "delay"),
+    ],
+)
+def test_bad_arguments(kwargs: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        LinkEmulator(**kwargs)
+
+
+def test_names_fit_the_interface_limit() -> None:
+    link = LinkEmulator(254, "1gbit", prefix=PREFIX)
+    assert all(len(d) <= 15 for d in link.devices)
+    assert len(set(link.namespaces)) == 254
+    assert link.addresses[0] == "10.213.0.1" and link.addresses[-1] == "10.213.0.254"
+    other = LinkEmulator(2, "1gbit", prefix=PREFIX)
+    assert not set(other.namespaces) & set(link.namespaces)
+
+
+def test_missing_root_or_tools_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(netns.shutil, "which", lambda tool: None if tool == "tc" else "/bin/x")
+    with pytest.raises(ConfigError, match=r"root.*'tc'") as info:
+        LinkEmulator(2, "1gbit", prefix=PREFIX).start()
+    assert isinstance(info.value, CGXError)
+
+
+def test_rank_helpers_need_a_started_emulator() -> None:
+    with pytest.raises(ConfigError, match="not started"):
+        LinkEmulator(2, prefix=PREFIX).rank_env(0)
+
+
+# ------------------------------------------------------------------ root + iproute2
+
+
+@needs_netns
+@pytest.mark.netns
+@pytest.mark.timeout(30)
+def test_setup_and_teardown_leave_nothing_behind() -> None:
+    before = _namespaces()
+    with LinkEmulator(2, "1gbit", prefix=PREFIX) as link:
+        assert set(link.namespaces) <= _namespaces()
+        for rank in range(2):
+            ns, dev = link.namespaces[rank], link.devices[rank]
+            shown = subprocess.run(
+                ["ip", "-n", ns, "-o", "addr", "show"], capture_output=True, text=True
+            ).stdout
+            assert f"{link.addresses[rank]}/24" in shown and " lo " in shown
+            qdisc = subprocess.run(
+                ["tc", "-n", ns, "qdisc", "show", "dev", dev], capture_output=True, text=True
+            ).stdout
+            assert "tbf" in qdisc and "rate 1Gbit" in qdisc
+        env = link.rank_env(1, master_port=1234)
+        assert env["UCX_TLS"] == "tcp" and env["UCX_NET_DEVICES"] == link.devices[1]
+        assert env["GLOO_SOCKET_IFNAME"] == link.devices[1]
+        assert env["MASTER_ADDR"] == link.addresses[0] and env["RANK"] == "1"
+        # A process inside the namespace sees only lo and its veth, and is ended on exit.
+        sleeper = link.popen(1, ["sleep", "60"])
+        seen = subprocess.run(
+            link.command(1, ["ip", "-o", "link", "show"]), capture_output=True, text=True
+        ).stdout
+        assert {line.split(":")[1].strip().split("@")[0] for line in seen.splitlines()} == {
+            "lo",
+            link.devices[1],
+        }
+        assert link.netem_available in (True, False)
+    assert _namespaces() == before
+    assert not _alive(sleeper.pid)
+    assert link.close() == []  # idempotent
+
+
+@needs_netns
+@pytest.mark.netns
+@pytest.mark.timeout(30)
+def test_failure_inside_the_block_still_cleans_up() -> None:
+    before = _namespaces()
+    with pytest.raises(ZeroDivisionError), LinkEmulator(3, "1gbit", prefix=PREFIX) as link:
+        assert link.hub in _namespaces()
+        _ = 1 / 0
+    assert _namespaces() == before
+
+
+@needs_netns
+@pytest.mark.netns
+@pytest.mark.timeout(30)
+def test_delay_without_netem_is_refused() -> None:
+    before = _namespaces()
+    probe = LinkEmulator(2, "1gbit", prefix=PREFIX)
+    with probe:
+        has_netem = probe.netem_available
+    if has_netem:
+        with LinkEmulator(2, "1gbit", delay=0.001, prefix=PREFIX) as link:
+            assert link.delay == 0.001
+    else:
+        with pytest.raises(ConfigError, match="netem"):
+            LinkEmulator(2, "1gbit", delay=0.001, prefix=PREFIX).start()
+    assert _namespaces() == before
+
+
+_CRASHING_CHILD = """
+import os, sys, time
+from cgx_ucx.bench.netns import LinkEmulator
+link = LinkEmulator(2, "1gbit", prefix=sys.argv[1])
+link.start()
+p = link.popen(1, ["sleep", "60"])
+print(" ".join(link.namespaces), p.pid, flush=True)
+if sys.argv[2] == "kill":
+    time.sleep(60)  # the parent SIGKILLs us: no handler, no finally runs
+else:
+    try:
+        time.sleep(60)  # the parent sends a signal: the handler tears down, then re-raises
+    except KeyboardInterrupt:
+        sys.exit(42)
+"""
+
+
+def _start_child(mode: str) -> tuple[subprocess.Popen[str], list[str], int]:
+    child = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(_CRASHING_CHILD), PREFIX, mode],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    line = child.stdout.readline().split()  # type: ignore[union-attr]
+    assert line, "child did not start its emulator"
+    return child, line[:2], int(line[2])
+
+
+@needs_netns
+@pytest.mark.netns
+@pytest.mark.timeout(30)
+def test_leftovers_of_a_killed_run_are_removed_at_next_start() -> None:
+    child, names, sleeper = _start_child("kill")
+    child.kill()
+    child.wait(timeout=10)
+    assert set(names) <= _namespaces() and _alive(sleeper)  # really left behind
+    removed = cleanup_stale(PREFIX)  # what every start does first
+    assert set(names) <= set(removed)
+    assert not set(names) & _namespaces()
+    deadline = time.monotonic() + 5
+    while _alive(sleeper) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(sleeper)
+
+
+@needs_netns
+@pytest.mark.netns
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 42), (signal.SIGTERM, -signal.SIGTERM)])
+def test_signals_tear_down_and_reraise(sig: signal.Signals, code: int) -> None:
+    child, names, sleeper = _start_child("signal")
+    child.send_signal(sig)
+    assert child.wait(timeout=15) == code
+    assert not set(names) & _namespaces()
+    assert not _alive(sleeper)
+
+
+@needs_netns
+@pytest.mark.netns
+@pytest.mark.timeout(30)
+def test_shaped_link_limits_throughput() -> None:
+    rate = 100 * 10**6
+    with LinkEmulator(2, rate, prefix=PREFIX) as link:
+        m = link.measure_tcp(0, 1, seconds=0.6)
+        sent_before = link.egress_bytes(1)
+    # TCP payload is at most 1448/1514 = 95.6% of the frame rate tbf counts.
+    assert 0.5 * rate <= m.bits_per_s <= 1.05 * rate, m
+    assert sent_before > 0  # the ACKs went back across rank 1's shaped device
+
+
+@needs_netns
+@pytest.mark.netns
+@pytest.mark.timeout(30)
+def test_bridge_links_every_pair_and_shapes_each_port() -> None:
+    rate = 200 * 10**6
+    with LinkEmulator(4, rate, prefix=PREFIX) as link:
+        m = link.measure_tcp(3, 1, seconds=0.4)
+        assert 0.5 * rate <= m.bits_per_s <= 1.05 * rate, m
+        # Every rank reaches every other one through the bridge (and rank 0's store).
+        results = link.run_ranks(
+            lambda r: [
+                sys.executable,
+                "-c",
+                "import socket, os; a = os.environ['MASTER_ADDR']; "
+                "s = socket.socket(); s.settimeout(3); "
+                f"print(s.connect_ex(('{link.addresses[(r + 1) % 4]}', 9)))",
+            ],
+            timeout=20,
+        )
+        # 111 = ECONNREFUSED: the peer's kernel answered, so the path exists.
+        assert [r.stdout.strip() for r in results] == ["111"] * 4
+
+
+@needs_netns
+@pytest.mark.netns
+@pytest.mark.timeout(30)
+def test_run_ranks_forwards_child_tracebacks_and_deadlines() -> None:
+    with LinkEmulator(2, "1gbit", prefix=PREFIX) as link:
+        code = "import os; r = int(os.environ['RANK']); assert r == 0, f'rank {r} fails'"
+        with pytest.raises(
+            TransportError, match=r"(?s)rank\(s\) \[1\].*AssertionError: rank 1 fails"
+        ):
+            link.run_ranks([sys.executable, "-c", code], timeout=20, grace=1)
+        with pytest.raises(CGXTimeoutError, match="within 1"):
+            link.run_ranks(["sleep", "30"], timeout=1)
+        ok = link.run_ranks([sys.executable, "-c", "print('hi')"], timeout=20)
+        assert [r.stdout for r in ok] == ["hi\n", "hi\n"]
