@@ -523,7 +523,8 @@ class LinkEmulator:
             "WORLD_SIZE": str(self.world_size),
             "LOCAL_RANK": "0",
             "LOCAL_WORLD_SIZE": "1",
-            "CGX_LINK_RATE_BPS": str(self.rate_bps),
+            "CGX_BENCH_LINK_DEVICE": dev,
+            "CGX_BENCH_LINK_RATE_BPS": str(self.rate_bps),
             "PYTHONPATH": package_root + (os.pathsep + pythonpath if pythonpath else ""),
         }
 

@@ -1,0 +1,553 @@
+"""``python -m cgx_ucx.bench link``: cgx_ucx against gloo on emulated commodity links.
+
+CGX's claim (Markov et al., Middleware 2022) is speed on slow links. This command builds such
+links on one machine (:mod:`cgx_ucx.bench.netns`: one network namespace per rank, veth,
+``tc tbf`` at the asked rate; needs root and iproute2) and measures, side by side on the
+same links in one run:
+
+1. allreduce, float32, 1-256 MiB: cgx_ucx at each bit width against torch.distributed gloo
+   in the same processes: median time, algorithm bandwidth (bytes / time), speedup over
+   gloo, the bytes each rank's device really sent, and the error against gloo's result;
+2. with ``--train``: DDP training of an MLP (about 22 M parameters) on gloo against DDP +
+   ``cgx_hook`` on the ``cgx`` backend: mean step time, wire bytes per step, the loss curve
+   and the loss of the trained model on a held-out batch;
+3. the lower bound of each case: ``max(wire bytes / link rate, codec time)``. Wire bytes are
+   the bandwidth-optimal ``2 (N-1)/N`` times the encoded buffer per rank, the rate is the
+   TCP payload rate measured across the same link in the same run, and the codec time is
+   what the quantize / dequantize work of one rank takes at the single-core throughput
+   measured in the same run, divided by the cores each rank has while all encode at once.
+   ``x bound`` = measured time / lower bound: 1.0 would be perfect overlap of codec and wire.
+
+Honesty checks; the command refuses to report (exit 3) when one fails:
+
+- the raw TCP probe must not exceed the shaped rate (else traffic is not crossing the link);
+- every uncompressed allreduce (gloo, cgx32) must take at least the time its minimal bytes
+  need at the shaped rate (less the token bucket's burst), and its device must have sent
+  them: with ``UCX_TLS`` unset, UCX found shared memory across namespaces and ignored the
+  shaping (measured 1.86 GB/s on a "1 Gbit" link), which this catches;
+- cgx32 must equal gloo (relative L2 error below 1e-5), and no result may be non-finite.
+
+Delay is not emulated: ``netem`` is missing from the kernel this was written on (reported
+in the JSON as ``netem_available``); links here have veth latency (tens of microseconds).
+
+Output: a table (with a progress bar while running), ``benchmarks/results/link.json`` and
+``benchmarks/results/link.png`` (speedup over gloo against link rate, one line per bit width).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from ..compression import encoded_nbytes
+from ..errors import CGXError
+from .link_worker import PROGRESS
+from .netns import LinkEmulator, TcpMeasurement, format_rate, missing_prerequisites, parse_rate
+from .report import default_results_dir, format_table, write_json
+
+__all__ = ["main"]
+
+MIB = 1 << 20
+#: Tolerance of the honesty checks: tbf's rate is exact to well under 1% (measured 95.6% TCP
+#: payload = 1448/1514 of the frame rate at 100 Mbit/s-10 Gbit/s); 5% leaves room for timers.
+RATE_TOLERANCE = 1.05
+#: cgx32 must match gloo's float32 sum: the same sum in another order differs by ~1e-7.
+EXACT_REL_ERR = 1e-5
+#: The uncompressed check needs a transfer well beyond the bucket's burst to mean anything.
+CHECK_MIN_BURSTS = 4
+
+
+class Progress:
+    """A one-line progress bar on a terminal, one line per step elsewhere (logs, CI)."""
+
+    def __init__(self, total: int, stream: TextIO = sys.stderr) -> None:
+        self.total = max(total, 1)
+        self.done = 0
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.start = time.monotonic()
+        self._lock = threading.Lock()
+        self.context = ""
+
+    def note(self, text: str, advance: int = 0) -> None:
+        with self._lock:
+            self.done = min(self.total, self.done + advance)
+            elapsed = time.monotonic() - self.start
+            width = 28
+            filled = int(width * self.done / self.total)
+            bar = "#" * filled + "-" * (width - filled)
+            line = f"[{bar}] {self.done}/{self.total} {elapsed:5.0f}s {self.context} {text}"
+            if self.tty:
+                self.stream.write("\r" + line[:150].ljust(150))
+            else:
+                self.stream.write(line + "\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _parse_size(text: str) -> int:
+    """Bytes of ``"64"`` (MiB), ``"64MiB"``, ``"512KiB"``; a multiple of 4 (float32)."""
+    t = text.strip().lower()
+    scale = MIB
+    for suffix, s in (("kib", 1 << 10), ("mib", MIB), ("gib", 1 << 30), ("b", 1)):
+        if t.endswith(suffix):
+            t, scale = t[: -len(suffix)], s
+            break
+    try:
+        size = int(float(t) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"size must be e.g. 64 (MiB) or 512KiB: {text!r}"
+        ) from None
+    if size <= 0 or size % 4:
+        raise argparse.ArgumentTypeError(f"size must be a positive multiple of 4 bytes: {text!r}")
+    return size
+
+
+def _rate(text: str) -> int:
+    try:
+        return parse_rate(text)
+    except CGXError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _size_label(size: int) -> str:
+    return f"{size // MIB} MiB" if size % MIB == 0 else f"{size / 1024:g} KiB"
+
+
+def _median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return (s[n // 2] + s[(n - 1) // 2]) / 2 if n else math.nan
+
+
+def _merge_ranks(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (size, method): the slowest rank per iteration, the busiest device's bytes."""
+    merged = []
+    for i, first in enumerate(records[0]["results"]):
+        per_rank = [r["results"][i] for r in records]
+        iters = min(len(p["times"]) for p in per_rank)
+        times = [max(p["times"][k] for p in per_rank) for k in range(iters)]
+        tx = [max(p["tx_bytes"][k] for p in per_rank) for k in range(iters)]
+        row = {"size": first["size"], "method": first["method"], "times": times}
+        row["time_s"] = _median(times)
+        row["tx_bytes"] = _median(tx) if tx and min(tx) >= 0 else None
+        for key in ("max_abs_err", "rel_l2_err"):
+            if key in first:
+                row[key] = max(p[key] for p in per_rank)
+        if "finite" in first:
+            row["finite"] = all(p["finite"] for p in per_rank)
+        merged.append(row)
+    return merged
+
+
+def _bounds(
+    row: dict[str, Any],
+    world: int,
+    probe: TcpMeasurement,
+    codec: dict[str, dict[str, float]],
+    bucket: int,
+    cores: int,
+) -> None:
+    """Add the wire, codec and lower-bound times of ``row`` (see the module doc, item 3)."""
+    numel = row["size"] // 4
+    bits = 32 if row["method"] == "gloo" else int(row["method"][3:])
+    share = 2 * (world - 1) / world
+    wire_bytes = share * (row["size"] if bits == 32 else encoded_nbytes(numel, bits, bucket))
+    wire_s = wire_bytes / (probe.bits_per_s / 8)
+    codec_s = 0.0
+    rates = codec.get(str(bits))
+    if rates:
+        # Per rank (scatter-reduce-allgather): encode every value once (the peers' chunks and
+        # its reduced chunk), decode-add (N-1)/N of them, decode all of them (allgather plus
+        # its own re-quantized chunk).
+        single_core = (
+            numel / rates["encode"]
+            + (world - 1) / world * numel / rates["decode_add"]
+            + numel / rates["decode"]
+        )
+        codec_s = single_core / max(cores / world, 1e-9)
+    row["wire_bytes_model"] = wire_bytes
+    row["wire_s"] = wire_s
+    row["codec_s"] = codec_s
+    row["bound_s"] = max(wire_s, codec_s)
+    row["x_bound"] = row["time_s"] / row["bound_s"] if row["bound_s"] > 0 else math.nan
+
+
+def _verify(
+    rows: list[dict[str, Any]], link: LinkEmulator, probe: TcpMeasurement, world: int
+) -> list[str]:
+    """The honesty checks of the module doc; the list of violations (empty when honest)."""
+    bad = []
+    if probe.fraction_of_rate > RATE_TOLERANCE:
+        bad.append(
+            f"raw TCP {probe.bits_per_s / 1e9:.3f} Gbit/s exceeds the shaped "
+            f"{format_rate(link.rate_bps)}: traffic is not crossing the link"
+        )
+    for row in rows:
+        name = f"{row['method']} {_size_label(row['size'])}"
+        if "finite" in row and not row["finite"]:
+            bad.append(f"{name}: non-finite values in the result")
+        if row["method"] == "cgx32" and row.get("rel_l2_err", 0.0) > EXACT_REL_ERR:
+            bad.append(f"{name}: differs from gloo (relative L2 error {row['rel_l2_err']:.3g})")
+        if row["method"] not in ("gloo", "cgx32"):
+            continue
+        min_bytes = 2 * (world - 1) / world * row["size"]
+        if min_bytes < CHECK_MIN_BURSTS * link.burst_bytes:
+            continue
+        floor_s = (min_bytes - link.burst_bytes) / (link.rate_bps / 8) / RATE_TOLERANCE
+        if row["time_s"] < floor_s:
+            bad.append(
+                f"{name}: {row['time_s'] * 1e3:.1f} ms is faster than the shaped link allows "
+                f"({floor_s * 1e3:.1f} ms): traffic is not crossing the link"
+            )
+        if row["tx_bytes"] is not None and row["tx_bytes"] < 0.9 * min_bytes:
+            bad.append(
+                f"{name}: the shaped device sent {row['tx_bytes'] / MIB:.1f} MiB of the "
+                f"{min_bytes / MIB:.1f} MiB an allreduce must send: traffic went elsewhere"
+            )
+    return bad
+
+
+def _worker(job: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "cgx_ucx.bench.link_worker", job, *args]
+
+
+def _read_ranks(prefix: str, world: int) -> list[dict[str, Any]]:
+    return [json.loads(Path(f"{prefix}.rank{r}.json").read_text()) for r in range(world)]
+
+
+def _forward_progress(bar: Progress, verbose: bool) -> Any:
+    def on_line(rank: int, line: str) -> None:
+        if line.startswith(PROGRESS):
+            try:
+                info = json.loads(line[len(PROGRESS) :])
+            except ValueError:
+                return
+            phase = info.get("phase")
+            if phase == "allreduce":
+                med = info.get("median")
+                ms = f"{med * 1e3:.1f} ms" if med else "-"
+                bar.note(f"{_size_label(info['size'])} {info['method']}: {ms}", advance=1)
+            elif phase == "train":
+                bar.note(f"train {info['backend']} step {info['step']}/{info['of']}", advance=1)
+            else:
+                bar.note(str(phase))
+        elif verbose:
+            sys.stderr.write(f"[rank {rank}] {line}")
+
+    return on_line
+
+
+def _estimate_timeout(args: argparse.Namespace, rate_bps: int, world: int, job: str) -> float:
+    """A generous deadline for one job: 3x what the slowest (uncompressed) path needs."""
+    rate = rate_bps / 8 * 0.9
+    share = 2 * (world - 1) / world
+    if job == "allreduce":
+        methods = len(args.bits) + 1
+        per = sum(
+            (args.max_iters + 1) * min(share * s / rate, 1.0) + args.budget + 2 * share * s / rate
+            for s in args.sizes
+        )
+        return 3 * methods * per + 180
+    grad_bytes = 4 * 22_000_000 * (args.hidden / 3072) ** 2
+    return 3 * (args.warmup + args.steps) * (share * grad_bytes / rate + 3.0) + 180
+
+
+def _run_config(
+    args: argparse.Namespace, world: int, rate_bps: int, bar: Progress, tmp: Path
+) -> dict[str, Any]:
+    cores = os.cpu_count() or 1
+    with LinkEmulator(world, rate_bps) as link:
+        bar.context = f"w{world} {format_rate(rate_bps)}"
+        bar.note("probing the link")
+        probe = link.measure_tcp(0, 1, seconds=args.probe_seconds)
+        bar.note(f"TCP {probe.bits_per_s / 1e9:.3f} Gbit/s", advance=1)
+        config: dict[str, Any] = {
+            "world_size": world,
+            "link": link.describe(),
+            "tcp_probe": {
+                "bits_per_s": probe.bits_per_s,
+                "fraction_of_rate": probe.fraction_of_rate,
+                "bytes": probe.bytes,
+                "seconds": probe.seconds,
+            },
+        }
+        if probe.fraction_of_rate > RATE_TOLERANCE:
+            config["violations"] = _verify([], link, probe, world)
+            return config
+        prefix = str(tmp / f"ar-w{world}-{rate_bps}")
+        ar_args = ["--sizes", *map(str, args.sizes), "--bits", *map(str, args.bits)]
+        ar_args += ["--bucket-size", str(args.bucket_size), "--out", prefix]
+        ar_args += ["--min-iters", str(args.min_iters), "--max-iters", str(args.max_iters)]
+        ar_args += ["--budget", str(args.budget), "--timeout", str(args.timeout)]
+        link.run_ranks(
+            _worker("allreduce", *ar_args),
+            timeout=_estimate_timeout(args, rate_bps, world, "allreduce"),
+            progress=_forward_progress(bar, args.verbose),
+        )
+        records = _read_ranks(prefix, world)
+        codec = records[0].get("codec_rates", {})
+        rows = _merge_ranks(records)
+        gloo = {r["size"]: r["time_s"] for r in rows if r["method"] == "gloo"}
+        for row in rows:
+            _bounds(row, world, probe, codec, args.bucket_size, cores)
+            row["algbw_GBps"] = row["size"] / row["time_s"] / 1e9
+            row["speedup"] = gloo[row["size"]] / row["time_s"] if row["size"] in gloo else None
+        config["codec_rates_values_per_s_single_core"] = codec
+        config["allreduce"] = rows
+        config["violations"] = _verify(rows, link, probe, world)
+        if args.train and not config["violations"]:
+            config["train"] = _train(args, link, world, rate_bps, bar, tmp)
+    return config
+
+
+def _train(
+    args: argparse.Namespace,
+    link: LinkEmulator,
+    world: int,
+    rate_bps: int,
+    bar: Progress,
+    tmp: Path,
+) -> list[dict[str, Any]]:
+    out = []
+    for backend in ("gloo", "cgx"):
+        prefix = str(tmp / f"train-{backend}-w{world}-{rate_bps}")
+        tr_args = ["--backend", backend, "--bits", str(args.train_bits), "--out", prefix]
+        tr_args += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+        tr_args += ["--batch", str(args.batch), "--hidden", str(args.hidden)]
+        tr_args += ["--bucket-size", str(args.bucket_size), "--timeout", str(args.timeout)]
+        link.run_ranks(
+            _worker("train", *tr_args),
+            timeout=_estimate_timeout(args, rate_bps, world, "train"),
+            progress=_forward_progress(bar, args.verbose),
+        )
+        ranks = _read_ranks(prefix, world)
+        steps = min(len(r["step_times"]) for r in ranks)
+        times = [max(r["step_times"][k] for r in ranks) for k in range(steps)]
+        tx = [r["tx_bytes_per_step"] for r in ranks]
+        out.append(
+            {
+                "backend": backend,
+                "bits": ranks[0]["bits"],
+                "params": ranks[0]["params"],
+                "steps": steps,
+                "step_s_mean": sum(times) / len(times),
+                "step_s_median": _median(times),
+                "tx_bytes_per_step": max(tx) if None not in tx else None,
+                "eval_loss": ranks[0]["eval_loss"],
+                "loss_curve_rank0": ranks[0]["losses"],
+                "replicas_identical": len({r["param_digest"] for r in ranks}) == 1,
+            }
+        )
+    base = out[0]
+    for row in out:
+        row["speedup"] = base["step_s_mean"] / row["step_s_mean"]
+        row["loss_vs_gloo"] = row["eval_loss"] / base["eval_loss"] - 1
+    return out
+
+
+def _tables(configs: list[dict[str, Any]]) -> str:
+    head = ["world", "link", "size", "method", "time ms", "algbw GB/s", "speedup"]
+    head += ["wire MiB", "bound ms", "x bound", "rel err"]
+    rows = []
+    for c in configs:
+        for r in c.get("allreduce", []):
+            rows.append(
+                [
+                    c["world_size"],
+                    c["link"]["rate"],
+                    _size_label(r["size"]),
+                    r["method"],
+                    r["time_s"] * 1e3,
+                    r["algbw_GBps"],
+                    r["speedup"] if r["speedup"] is not None else "-",
+                    r["tx_bytes"] / MIB if r["tx_bytes"] is not None else "-",
+                    r["bound_s"] * 1e3,
+                    r["x_bound"],
+                    r.get("rel_l2_err", "-") if r["method"] != "gloo" else "ref",
+                ]
+            )
+    text = format_table(head, rows)
+    train_rows = []
+    for c in configs:
+        for t in c.get("train", []):
+            train_rows.append(
+                [
+                    c["world_size"],
+                    c["link"]["rate"],
+                    t["backend"],
+                    t["bits"],
+                    t["step_s_mean"] * 1e3,
+                    t["speedup"],
+                    t["tx_bytes_per_step"] / MIB if t["tx_bytes_per_step"] else "-",
+                    t["eval_loss"],
+                    f"{100 * t['loss_vs_gloo']:+.2f}%",
+                ]
+            )
+    if train_rows:
+        thead = ["world", "link", "backend", "bits", "step ms", "speedup", "wire MiB/step"]
+        thead += ["eval loss", "loss vs gloo"]
+        text += "\n\nDDP training (MLP, mean step time over the timed steps)\n"
+        text += format_table(thead, train_rows)
+    return text
+
+
+def _plot(configs: list[dict[str, Any]], size: int, path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is missing: no plot (pip install cgx_ucx[bench])", file=sys.stderr)
+        return None
+    worlds = sorted({c["world_size"] for c in configs})
+    fig, axes = plt.subplots(1, len(worlds), figsize=(5.5 * len(worlds), 4), squeeze=False)
+    for ax, world in zip(axes[0], worlds, strict=True):
+        series: dict[str, list[tuple[float, float, float]]] = {}
+        for c in configs:
+            if c["world_size"] != world:
+                continue
+            rows = {r["method"]: r for r in c.get("allreduce", []) if r["size"] == size}
+            if "gloo" not in rows:
+                continue
+            for method, r in rows.items():
+                if method == "gloo":
+                    continue
+                best = rows["gloo"]["time_s"] / r["bound_s"]
+                series.setdefault(method, []).append(
+                    (c["link"]["rate_bps"] / 1e9, r["speedup"], best)
+                )
+        for method in sorted(series, key=lambda m: int(m[3:])):
+            pts = sorted(series[method])
+            (line,) = ax.plot(
+                [p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{method[3:]} bits"
+            )
+            ax.plot(
+                [p[0] for p in pts], [p[2] for p in pts], ":", color=line.get_color(), alpha=0.6
+            )
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("link rate per direction (Gbit/s)")
+        ax.set_ylabel("speedup over gloo")
+        ax.set_title(f"allreduce {_size_label(size)}, {world} ranks (dotted: lower bound)")
+        ax.legend()
+        ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m cgx_ucx.bench link",
+        description="cgx_ucx vs gloo on emulated links (network namespaces + tc tbf; root)",
+    )
+    p.add_argument("--rates", nargs="+", type=_rate, default=[10**9, 10 * 10**9],
+                   help="link rates per direction, e.g. 1gbit 10gbit (default)")  # fmt: skip
+    p.add_argument("--world", nargs="+", type=int, default=[2, 4], help="ranks (default 2 4)")
+    p.add_argument("--sizes", nargs="+", type=_parse_size,
+                   default=[s * MIB for s in (1, 4, 16, 64, 256)],
+                   help="allreduce sizes, MiB or with a unit (default 1 4 16 64 256)")  # fmt: skip
+    p.add_argument("--bits", nargs="+", type=int, default=[2, 4, 8, 32])
+    p.add_argument("--bucket-size", type=int, default=1024)
+    p.add_argument("--min-iters", type=int, default=3, help="timed iterations at least")
+    p.add_argument("--max-iters", type=int, default=10, help="timed iterations at most")
+    p.add_argument("--budget", type=float, default=2.0, help="seconds per (size, method)")
+    p.add_argument("--train", action="store_true", help="also DDP training, gloo vs cgx")
+    p.add_argument("--train-bits", type=int, default=4)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=3072, help="MLP width (3072: ~22 M params)")
+    p.add_argument("--probe-seconds", type=float, default=1.0)
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds any single wait may take")
+    p.add_argument("--plot-size", type=_parse_size, default=64 * MIB)
+    p.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/")
+    p.add_argument("--verbose", action="store_true", help="show the ranks' stderr")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; 0 on success, 2 without root/iproute2, 3 when a check refused."""
+    args = _parser().parse_args(argv)
+    for bits in [*args.bits, args.train_bits]:
+        if not (1 <= bits <= 8 or bits == 32):
+            print(f"bits must be 1..8 or 32, got {bits}", file=sys.stderr)
+            return 2
+    if any(w < 2 for w in args.world):
+        print("--world needs at least 2 ranks", file=sys.stderr)
+        return 2
+    missing = missing_prerequisites()
+    if missing:
+        print("link emulation needs " + ", ".join(missing), file=sys.stderr)
+        return 2
+    args.sizes = sorted(set(args.sizes))
+    out_dir = args.out or default_results_dir()
+    steps_per = 1 + len(args.sizes) * (len(args.bits) + 1)
+    if args.train:
+        steps_per += 2 * (args.steps + args.warmup)
+    configs = []
+    bar = Progress(steps_per * len(args.world) * len(args.rates))
+    try:
+        with tempfile.TemporaryDirectory(prefix="cgx-link-") as tmp:
+            for world in args.world:
+                for rate in args.rates:
+                    config = _run_config(args, world, rate, bar, Path(tmp))
+                    configs.append(config)
+                    if config["violations"]:
+                        bar.close()
+                        print(
+                            f"REFUSED to report ({world} ranks, {format_rate(rate)}):\n  "
+                            + "\n  ".join(config["violations"]),
+                            file=sys.stderr,
+                        )
+                        return 3
+    except KeyboardInterrupt:
+        bar.close()
+        print("interrupted; the emulated links were removed", file=sys.stderr)
+        return 130
+    bar.close()
+    netem = configs[0]["link"]["netem_available"] if configs else None
+    print(_tables(configs))
+    print(
+        "\nwire MiB: bytes the busiest rank's shaped device sent per call (Ethernet headers "
+        "in); bound: max(wire time at the measured TCP rate, codec time at the measured "
+        "single-core codec rate / cores per rank); rel err: relative L2 error against gloo."
+    )
+    if not netem:
+        print("No delay emulation: the netem qdisc is not in this kernel.")
+    record = {
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "cpus": os.cpu_count(),
+        "configs": configs,
+    }
+    path = write_json("link", record, out_dir)
+    print(f"\nJSON: {path}")
+    try:
+        png = _plot(configs, args.plot_size, Path(path).with_suffix(".png"))
+    except Exception as exc:  # the numbers are out already; a plot failure must not hide them
+        print(f"plot failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    else:
+        if png:
+            print(f"plot: {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,366 @@
+"""One rank of the link benchmark; started by :mod:`cgx_ucx.bench.link` inside a namespace.
+
+Not a command for users: it expects the environment :meth:`LinkEmulator.rank_env` sets
+(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, CGX_BENCH_LINK_DEVICE, UCX_TLS=tcp, ...).
+
+``allreduce``: for every size, gloo's all_reduce and cgx_ucx's allreduce at every bit width
+on the same buffers in the same processes, one after the other, each iteration started by a
+barrier. Per iteration the rank records its wall time and the bytes its shaped device sent
+(``/sys/class/net/<dev>/statistics/tx_bytes``: what really went on the wire). The first
+iteration of each (size, method) is a warm-up, kept out of the timing and used to check the
+numbers: gloo's result is the reference; cgx_ucx's error against it is recorded.
+
+``train``: DDP on an MLP of tens of millions of parameters, either on gloo or on the ``cgx``
+backend with ``cgx_hook``; step times, wire bytes per step, the loss curve and the loss of
+the trained model on a fixed held-out batch.
+
+Every rank writes ``<out>.rank<r>.json``; the driver merges them (max over ranks per
+iteration). Rank 0 prints ``@progress <json>`` lines on stderr for the driver's progress bar.
+Only ``codec`` (in-process, on rank 0 while the others wait) needs no network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+#: Prefix of the lines the driver's progress bar reads.
+PROGRESS = "@progress "
+
+
+def _env_int(name: str) -> int:
+    try:
+        return int(os.environ[name])
+    except (KeyError, ValueError):
+        sys.exit(f"link_worker: {name} must be set to an integer (run by cgx_ucx.bench.link)")
+
+
+def _tx_bytes() -> int:
+    """Bytes this rank's shaped device has sent (the kernel's counter, Ethernet headers in)."""
+    dev = os.environ.get("CGX_BENCH_LINK_DEVICE", "")
+    path = Path("/sys/class/net") / dev / "statistics" / "tx_bytes"
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return -1  # outside the emulator: the driver then has no wire-byte check to offer
+
+
+def _progress(rank: int, **fields: Any) -> None:
+    if rank == 0:
+        print(PROGRESS + json.dumps(fields), file=sys.stderr, flush=True)
+
+
+def _store(rank: int, world: int, timeout: float) -> Any:
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        _env_int("MASTER_PORT"),
+        world,
+        is_master=rank == 0,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+
+
+def _write(out: str, rank: int, record: dict[str, Any]) -> None:
+    path = Path(f"{out}.rank{rank}.json")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record))
+    tmp.replace(path)
+
+
+# ----------------------------------------------------------------------------- codec
+
+
+def _codec_rates(bits_list: list[int], bucket: int, numel: int) -> dict[str, dict[str, float]]:
+    """Single-core codec throughput (values/s) per bit width: encode, decode, decode_add.
+
+    One Numba thread, so the driver can scale it by the cores each rank really has while
+    all ranks run their codecs at once (2 cores shared by the ranks here).
+    """
+    import numba
+
+    from ..compression import decode, decode_add, encode, encoded_nbytes
+
+    saved = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        x = np.random.default_rng(7).standard_normal(numel, dtype=np.float32)
+        acc = np.zeros_like(x)
+        rates: dict[str, dict[str, float]] = {}
+        for bits in bits_list:
+            if bits == 32:
+                continue
+            buf = np.empty(encoded_nbytes(numel, bits, bucket), dtype=np.uint8)
+            enc = encode(x, bits, bucket, out=buf)  # warm-up: compiles
+            decode(enc, out=acc)
+            decode_add(enc, acc)
+            best = {"encode": np.inf, "decode": np.inf, "decode_add": np.inf}
+            for _ in range(3):
+                t0 = time.perf_counter()
+                enc = encode(x, bits, bucket, out=buf)
+                t1 = time.perf_counter()
+                decode(enc, out=acc)
+                t2 = time.perf_counter()
+                decode_add(enc, acc)
+                t3 = time.perf_counter()
+                best["encode"] = min(best["encode"], t1 - t0)
+                best["decode"] = min(best["decode"], t2 - t1)
+                best["decode_add"] = min(best["decode_add"], t3 - t2)
+            rates[str(bits)] = {k: numel / v for k, v in best.items()}
+        return rates
+    finally:
+        numba.set_num_threads(saved)
+
+
+# ----------------------------------------------------------------------------- allreduce
+
+
+async def _allreduce_job(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    store = _store(rank, world, args.timeout)
+    timeout = datetime.timedelta(seconds=args.timeout)
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore("gloo", store),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+    )
+    comm = None
+    cgx_bits = [b for b in args.bits]
+    if cgx_bits:
+        import cgx_ucx
+
+        comm = await asyncio.wait_for(
+            cgx_ucx.connect(dist.PrefixStore("cgx", store), rank, world), args.timeout
+        )
+
+    async def barrier() -> None:
+        await asyncio.wait_for(asyncio.to_thread(dist.barrier), args.timeout)
+
+    record: dict[str, Any] = {"rank": rank, "world_size": world, "results": []}
+    if rank == 0 and cgx_bits:
+        _progress(rank, phase="codec")
+        record["codec_rates"] = _codec_rates(cgx_bits, args.bucket_size, args.codec_numel)
+    await barrier()
+    methods = (["gloo"] if not args.no_gloo else []) + [f"cgx{b}" for b in cgx_bits]
+    rng = np.random.default_rng(1000 + rank)
+    try:
+        for size in args.sizes:
+            numel = size // 4
+            x0 = rng.standard_normal(numel, dtype=np.float32)
+            buf = np.empty_like(x0)
+            tbuf = torch.from_numpy(buf)
+            ref: np.ndarray | None = None
+            for method in methods:
+                times: list[float] = []
+                wire: list[int] = []
+                err: dict[str, float] = {}
+                start = time.monotonic()
+                it = 0
+                while it <= args.min_iters or (
+                    it <= args.max_iters and time.monotonic() - start < args.budget
+                ):
+                    buf[:] = x0
+                    await barrier()
+                    tx0 = _tx_bytes()
+                    t0 = time.perf_counter()
+                    if method == "gloo":
+                        await asyncio.wait_for(
+                            asyncio.to_thread(dist.all_reduce, tbuf), args.timeout
+                        )
+                    else:
+                        await asyncio.wait_for(
+                            comm.allreduce(
+                                buf, op="sum", bits=int(method[3:]), bucket_size=args.bucket_size
+                            ),
+                            args.timeout,
+                        )
+                    dt = time.perf_counter() - t0
+                    tx = _tx_bytes() - tx0
+                    if it == 0:  # warm-up: check the numbers instead of timing
+                        if method == "gloo":
+                            ref = buf.copy()
+                        elif ref is not None:
+                            err = _error(buf, ref)
+                    else:
+                        times.append(dt)
+                        wire.append(tx)
+                    it += 1
+                record["results"].append(
+                    {"size": size, "method": method, "times": times, "tx_bytes": wire, **err}
+                )
+                _progress(rank, phase="allreduce", size=size, method=method, median=_median(times))
+            del x0, buf, tbuf, ref
+    finally:
+        if comm is not None:
+            await asyncio.wait_for(_maybe_await(comm.close()), args.timeout)
+        dist.destroy_process_group()
+    return record
+
+
+async def _maybe_await(x: Any) -> Any:
+    return await x if asyncio.iscoroutine(x) or isinstance(x, asyncio.Future) else x
+
+
+def _median(xs: list[float]) -> float | None:
+    return float(np.median(xs)) if xs else None
+
+
+def _error(got: np.ndarray, ref: np.ndarray) -> dict[str, float]:
+    diff = got.astype(np.float64) - ref
+    norm = float(np.linalg.norm(ref)) or 1.0
+    return {
+        "max_abs_err": float(np.max(np.abs(diff))) if diff.size else 0.0,
+        "rel_l2_err": float(np.linalg.norm(diff)) / norm,
+        "finite": bool(np.isfinite(got).all()),
+    }
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def _train_job(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    timeout = datetime.timedelta(seconds=args.timeout)
+    if args.backend == "cgx":
+        import cgx_ucx
+
+        dist.init_process_group("cgx", init_method="env://", timeout=timeout)
+    else:
+        dist.init_process_group("gloo", init_method="env://", timeout=timeout)
+
+    def mlp(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        layers: list[nn.Module] = []
+        width = args.input
+        for _ in range(args.layers):
+            layers += [nn.Linear(width, args.hidden), nn.ReLU()]
+            width = args.hidden
+        layers.append(nn.Linear(width, args.classes))
+        return nn.Sequential(*layers)
+
+    model = mlp(0)
+    with torch.no_grad():
+        teacher = nn.Sequential(nn.Linear(args.input, 256), nn.Tanh(), nn.Linear(256, args.classes))
+        torch.manual_seed(1)
+        for p in teacher.parameters():
+            p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
+
+    def batch(seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(n, args.input, generator=g)
+        with torch.no_grad():
+            y = teacher(x).argmax(dim=1)
+        return x, y
+
+    ddp = DDP(model)
+    if args.backend == "cgx":
+        state = cgx_ucx.CGXState(
+            None,
+            layer_min_size=1024,
+            compression_params={"bits": args.bits, "bucket_size": args.bucket_size},
+        )
+        ddp.register_comm_hook(state, cgx_ucx.cgx_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    nparams = sum(p.numel() for p in model.parameters())
+    data = [batch(10_000 * (rank + 1) + s, args.batch) for s in range(args.warmup + args.steps)]
+    times: list[float] = []
+    losses: list[float] = []
+    tx_start = 0
+    for step, (x, y) in enumerate(data):
+        if step == args.warmup:
+            tx_start = _tx_bytes()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(ddp(x), y)
+        loss.backward()  # DDP waits here for the last bucket's allreduce
+        opt.step()
+        dt = time.perf_counter() - t0
+        losses.append(float(loss))
+        if step >= args.warmup:
+            times.append(dt)
+        _progress(rank, phase="train", backend=args.backend, step=step + 1, of=len(data))
+    tx = _tx_bytes() - tx_start if tx_start >= 0 else -1
+    xe, ye = batch(999_999, 2048)
+    with torch.no_grad():
+        eval_loss = float(loss_fn(model(xe), ye))
+        digest = float(sum(p.double().sum() for p in model.parameters()))
+    dist.destroy_process_group()
+    return {
+        "rank": rank,
+        "world_size": world,
+        "backend": args.backend,
+        "bits": args.bits if args.backend == "cgx" else 32,
+        "params": nparams,
+        "step_times": times,
+        "losses": losses,
+        "eval_loss": eval_loss,
+        "param_digest": digest,
+        "tx_bytes_per_step": tx / args.steps if tx >= 0 else None,
+    }
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cgx_ucx.bench.link_worker")
+    sub = parser.add_subparsers(dest="job", required=True)
+    ar = sub.add_parser("allreduce")
+    ar.add_argument("--sizes", type=int, nargs="+", required=True, help="bytes")
+    ar.add_argument("--bits", type=int, nargs="*", default=[])
+    ar.add_argument("--no-gloo", action="store_true")
+    ar.add_argument("--bucket-size", type=int, default=1024)
+    ar.add_argument("--min-iters", type=int, default=3)
+    ar.add_argument("--max-iters", type=int, default=20)
+    ar.add_argument("--budget", type=float, default=3.0, help="seconds per (size, method)")
+    ar.add_argument("--codec-numel", type=int, default=1 << 22)
+    tr = sub.add_parser("train")
+    tr.add_argument("--backend", choices=["gloo", "cgx"], required=True)
+    tr.add_argument("--bits", type=int, default=4)
+    tr.add_argument("--bucket-size", type=int, default=1024)
+    tr.add_argument("--steps", type=int, default=20)
+    tr.add_argument("--warmup", type=int, default=3)
+    tr.add_argument("--batch", type=int, default=32)
+    tr.add_argument("--input", type=int, default=1024)
+    tr.add_argument("--hidden", type=int, default=3072)
+    tr.add_argument("--layers", type=int, default=3)
+    tr.add_argument("--classes", type=int, default=10)
+    tr.add_argument("--lr", type=float, default=0.02)
+    for p in (ar, tr):
+        p.add_argument("--out", required=True, help="path prefix of the per-rank JSON")
+        p.add_argument("--timeout", type=float, default=300.0, help="seconds any wait may take")
+    args = parser.parse_args(argv)
+    rank = _env_int("RANK")
+    if args.job == "allreduce":
+        record = asyncio.run(_allreduce_job(args))
+    else:
+        record = _train_job(args)
+    _write(args.out, rank, record)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
