@@ -1,1 +1,27 @@
-"""See DESIGN.md."""
+"""PyTorch integration: the ``cgx`` torch.distributed backend, the DDP comm hook, and
+per-parameter gradient hooks (GradientSync).
+
+Importing this package registers the ``cgx`` backend (idempotent), so
+``dist.init_process_group("cgx")`` works after ``import cgx_ucx``.
+"""
+
+from .backend import BACKEND_NAME, CGXOptions, ProcessGroupCGX, get_communicator, register
+from .grad_sync import GradientSync
+from .hook import CGXState, cgx_hook, layer_layout, wire_bytes
+from .work import CGXWork
+
+register()
+
+__all__ = [
+    "BACKEND_NAME",
+    "CGXOptions",
+    "CGXState",
+    "CGXWork",
+    "GradientSync",
+    "ProcessGroupCGX",
+    "cgx_hook",
+    "get_communicator",
+    "layer_layout",
+    "register",
+    "wire_bytes",
+]

@@ -1,0 +1,91 @@
+"""Zero-copy views of torch tensors as the arrays the engine moves.
+
+The engine works on NumPy (host) and CuPy (device) arrays; a tensor is handed over as
+a view of its own storage, never a copy, so the collective writes its result straight
+into the tensor (DESIGN.md: "tensors through DLPack / __cuda_array_interface__").
+
+- CPU: ``tensor.numpy()``; bfloat16, which NumPy lacks, as an int16 view re-typed to
+  ``ml_dtypes.bfloat16`` (same bytes).
+- CUDA: ``cupy.from_dlpack``; CuPy is imported only when a CUDA tensor is seen. The
+  current stream is synchronized first (the engine works on its own stream).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "as_array",
+    "can_reduce",
+    "is_float",
+]
+
+#: Dtypes the codec quantizes (issue 2: float32, float16, bfloat16).
+FLOAT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+
+#: Dtypes the engine reduces exactly (uncompressed). Complex and float64 are moved
+#: as raw bytes by broadcast/allgather only.
+_REDUCIBLE = FLOAT_DTYPES | {
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+}
+
+
+def is_float(tensor: torch.Tensor) -> bool:
+    """True when ``tensor``'s dtype can be quantized."""
+    return tensor.dtype in FLOAT_DTYPES
+
+
+def can_reduce(tensor: torch.Tensor) -> bool:
+    """True when the engine can sum ``tensor`` itself (else the backend reduces locally)."""
+    return tensor.dtype in _REDUCIBLE
+
+
+def as_array(tensor: torch.Tensor) -> Any:
+    """A NumPy or CuPy array sharing ``tensor``'s memory (no copy).
+
+    ``tensor`` must be dense and contiguous; callers make a contiguous staging copy
+    first when it is not (and copy the result back).
+    """
+    if tensor.layout != torch.strided:
+        raise ConfigError(f"cgx_ucx moves dense tensors only, got layout {tensor.layout}")
+    if not tensor.is_contiguous():
+        raise ConfigError("as_array needs a contiguous tensor (make a staging copy first)")
+    t = tensor.detach()
+    if t.device.type == "cpu":
+        if t.dtype == torch.bfloat16:
+            import ml_dtypes
+
+            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        if t.dtype.is_complex:
+            # Complex values are moved as their float pairs (broadcast/allgather only).
+            return torch.view_as_real(t).numpy()
+        try:
+            return t.numpy()
+        except TypeError as exc:
+            raise ConfigError(f"dtype {t.dtype} has no NumPy equivalent") from exc
+    if t.device.type == "cuda":
+        import cupy
+
+        # The engine reads and writes the memory from its own thread and stream: the
+        # kernels that produced it on torch's current stream must be done first.
+        torch.cuda.current_stream(t.device).synchronize()
+
+        if t.dtype == torch.bfloat16:
+            # CuPy has no bfloat16 dtype: the engine gets the raw 16-bit words re-typed as
+            # ml_dtypes.bfloat16, as on the host.
+            import ml_dtypes
+
+            return cupy.from_dlpack(t.view(torch.int16)).view(ml_dtypes.bfloat16)
+        if t.dtype.is_complex:
+            return cupy.from_dlpack(torch.view_as_real(t))
+        return cupy.from_dlpack(t)
+    raise ConfigError(f"cgx_ucx supports CPU and CUDA tensors, got device {t.device}")

@@ -1,0 +1,72 @@
+"""Error feedback over the layers of a flat gradient buffer (shared by the hook and
+GradientSync).
+
+The codec's :class:`~cgx_ucx.compression.ErrorFeedback` keeps one residual per key; here
+a key is ``(bucket index, layer index)`` and only compressed layers have one. The
+residual is that of the local quantization ``c - decode(encode(c))`` with the layer's
+bits and bucket size, the same round-to-nearest the engine applies to what this rank
+sends, so the error of one step is re-sent in the next (EF-SGD, Karimireddy et al.
+2019).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+from ..layout import Layout
+from ._convert import as_array
+
+__all__ = ["LayerFeedback"]
+
+
+class LayerFeedback:
+    """Residual memory for the compressed layers of flat buffers, keyed by bucket."""
+
+    def __init__(self) -> None:
+        from ..compression import ErrorFeedback
+
+        self._ef = ErrorFeedback()
+
+    def apply(self, index: int, buf: torch.Tensor, layout: Layout) -> None:
+        """Add each compressed layer's residual to ``buf`` in place; keep the new one."""
+        from ..compression import decode, encode
+
+        ef = self._ef
+        flat = buf.detach()
+        for i, spec in enumerate(layout):
+            if not spec.compressed or spec.numel == 0:
+                continue
+            key = (index, i)
+            old = ef.residual(key)
+            if old is not None and old.shape[0] != spec.numel:
+                ef.reset(key)  # the buckets were rebuilt: that residual was another layer's
+            layer = flat[spec.offset : spec.end]
+            x = as_array(layer)
+            if layer.dtype == torch.float32:
+                comp = ef.compensate(key, x, out=x)
+                sent = comp
+            else:
+                # float16/bfloat16: compensate in float32, send the rounded value; the
+                # residual keeps the rounding error as well as the quantization error.
+                comp = ef.compensate(key, x)
+                layer.copy_(torch.as_tensor(comp, device=layer.device))
+                sent = as_array(layer.float())
+            ef.update(key, comp, decode(encode(sent, spec.bits, spec.bucket_size)))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Residuals as CPU float32 tensors named ``"<bucket>.<layer>"``."""
+        return {f"{b}.{i}": torch.from_numpy(arr) for (b, i), arr in self._ef.state_dict().items()}
+
+    def load_state_dict(self, residuals: Mapping[str, Any]) -> None:
+        loaded = {}
+        try:
+            for name, tensor in residuals.items():
+                b, i = (int(p) for p in name.split("."))
+                loaded[(b, i)] = torch.as_tensor(tensor).detach().cpu().float().numpy()
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"not an error-feedback state: {exc}") from exc
+        self._ef.load_state_dict(loaded)

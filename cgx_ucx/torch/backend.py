@@ -1,0 +1,633 @@
+"""The ``cgx`` torch.distributed backend: a Python ProcessGroup on the cgx_ucx engine.
+
+After ``import cgx_ucx`` a torchrun script changes one line::
+
+    dist.init_process_group("cgx")        # env:// or an explicit store, as with gloo
+
+Why a ``torch.distributed.ProcessGroup`` subclass: that is the Python extension point
+torch 2.13 supports (its own tests, test_c10d_pypg.py, build DDP on one);
+``_new_process_group_helper`` uses a returned ProcessGroup subclass as the group
+itself. The C++ side (DDP's reducer) reaches the methods below through pybind11's
+trampoline, Python callers (``dist.all_reduce``) directly.
+
+Semantics:
+
+1. ``all_reduce`` SUM/AVG of float32/float16/bfloat16 is quantized when compression
+   is on: explicit configuration in code (``CGXOptions`` or ``group.compression``)
+   wins, else torch_cgx's environment variables, read when each call starts (so a
+   script may change them between calls). Tensors under the minimal size go exact.
+2. SUM of integer tensors, and every other reduction (MAX, MIN, PRODUCT, BAND, BOR,
+   BXOR, and bool tensors) are exact: SUM/AVG through the engine's uncompressed path,
+   the rest through an allgather and a local reduction in rank order, so every rank
+   computes the identical value.
+3. broadcast, allgather (list and single-tensor forms), reduce_scatter (both forms),
+   reduce, gather, scatter, barrier and allreduce_coalesced: what DDP and typical
+   training scripts call (DDP at construction: an allgather of parameter shapes and
+   broadcasts of parameters and buffers; per step: a buffer broadcast and one
+   allreduce per gradient bucket, measured by logging a Python ProcessGroup under
+   DDP in torch 2.13).
+4. The ``timeout`` given to init_process_group bounds every wait: it becomes the
+   engine's per-wait deadline (CommConfig.timeout) and bounds ``work.wait()``.
+5. ``async_op=True`` returns a :class:`~cgx_ucx.torch.work.CGXWork`; errors surface
+   from ``wait()`` and ``get_future()`` as CGXError subclasses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import CommConfig, CompressionConfig, resolve_comm, resolve_compression
+from ..errors import CGXError, ConfigError
+from ..layout import Layout
+from ._convert import as_array, can_reduce, is_float
+from .futures import to_torch_future
+from .work import CGXWork
+
+__all__ = [
+    "BACKEND_NAME",
+    "CGXOptions",
+    "ProcessGroupCGX",
+    "get_communicator",
+    "register",
+]
+
+log = logging.getLogger("cgx_ucx")
+
+BACKEND_NAME = "cgx"
+
+_RedOp = dist.ReduceOp.RedOpType
+#: Reductions computed by allgather + a local reduction (exact, rank order).
+_LOCAL_REDUCE = {
+    _RedOp.MAX: "max",
+    _RedOp.MIN: "min",
+    _RedOp.PRODUCT: "prod",
+    _RedOp.BAND: "band",
+    _RedOp.BOR: "bor",
+    _RedOp.BXOR: "bxor",
+}
+
+
+@dataclass(frozen=True)
+class CGXOptions:
+    """Explicit configuration of a ``cgx`` group (``pg_options=`` of init_process_group).
+
+    ``compression`` set here takes precedence over the CGX_COMPRESSION_* environment
+    variables; None keeps reading them at each all_reduce. ``comm`` is the base of the
+    communicator's configuration (the init_process_group ``timeout``, when given,
+    overrides its ``timeout``).
+    """
+
+    compression: CompressionConfig | None = None
+    comm: CommConfig | None = None
+
+
+def _comm_config(timeout: datetime.timedelta | None, options: CGXOptions | None) -> CommConfig:
+    """The communicator's config: init_process_group's timeout bounds every wait.
+
+    torch always passes a timeout (its 30 min default when the user gave none). When it
+    is the default, the user did not choose one: CGX_UCX_TIMEOUT / CommConfig apply,
+    capped by torch's value. A timeout the user gave is used as is, for the rendezvous
+    too (gloo's connect uses it the same way).
+    """
+    base = options.comm if options is not None else None
+    if timeout is None or timeout == dist.default_pg_timeout:
+        cfg = resolve_comm(base)
+        if timeout is not None:
+            cap = timeout.total_seconds()
+            cfg = dataclasses.replace(
+                cfg, timeout=min(cfg.timeout, cap), connect_timeout=min(cfg.connect_timeout, cap)
+            )
+        return cfg
+    secs = timeout.total_seconds()
+    if not secs > 0:
+        raise ConfigError(f"the process group timeout must be > 0, got {timeout}")
+    return resolve_comm(base, timeout=secs, connect_timeout=secs)
+
+
+def _connect(store: Any, rank: int, size: int, config: CommConfig, prefix: str) -> Any:
+    from ..engine import connect_sync  # the engine imports UCX: only when a group is made
+
+    return connect_sync(store, rank, size, config=config, prefix=prefix)
+
+
+def _red_op(op: Any) -> Any:
+    """The RedOpType of a ReduceOp or RedOpType."""
+    return op.op if isinstance(op, dist.ReduceOp) else op
+
+
+def _local_reduce(kind: str, gathered: torch.Tensor, out: torch.Tensor) -> None:
+    """Reduce ``gathered`` (world, ...) over dim 0 into ``out``, in rank order."""
+    if kind == "max":
+        torch.amax(gathered, dim=0, out=out)
+    elif kind == "min":
+        torch.amin(gathered, dim=0, out=out)
+    elif kind == "prod":
+        acc = gathered[0].clone()
+        for row in gathered[1:]:
+            acc.mul_(row)
+        out.copy_(acc)
+    else:
+        fn = {
+            "band": torch.bitwise_and,
+            "bor": torch.bitwise_or,
+            "bxor": torch.bitwise_xor,
+        }[kind]
+        acc = gathered[0].clone()
+        for row in gathered[1:]:
+            acc = fn(acc, row)
+        out.copy_(acc)
+
+
+class ProcessGroupCGX(dist.ProcessGroup):
+    """A torch.distributed process group whose collectives run on cgx_ucx.
+
+    Made by ``dist.init_process_group("cgx")`` / ``dist.new_group(backend="cgx")``;
+    users normally do not construct it. ``communicator`` is the engine's synchronous
+    communicator (the DDP hook and GradientSync use it directly).
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        size: int,
+        timeout: datetime.timedelta | None = None,
+        options: CGXOptions | None = None,
+        *,
+        communicator: Any = None,
+    ) -> None:
+        # The (store, rank, size) constructor refuses Python subclasses in torch 2.13.
+        super().__init__(rank, size)
+        if options is not None and not isinstance(options, CGXOptions):
+            raise ConfigError(
+                f"pg_options of a cgx group must be cgx_ucx.torch.CGXOptions, got {options!r}"
+            )
+        self._rank = rank
+        self._size = size
+        self._comm_config = _comm_config(timeout, options)
+        self._compression = options.compression if options is not None else None
+        self._group_name = ""
+        self._group_desc = ""
+        self._closed = False
+        self._comm = (
+            communicator
+            if communicator is not None
+            else _connect(store, rank, size, self._comm_config, "cgx")
+        )
+        log.info(
+            "cgx process group rank %d/%d up (timeout %.0f s)",
+            rank,
+            size,
+            self._comm_config.timeout,
+        )
+
+    # -- identity (the trampoline needs these for a Python group) ------------------------
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def getRank(self) -> int:
+        return self._rank
+
+    def getSize(self) -> int:
+        return self._size
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupCGX(rank={self._rank}, size={self._size}, name={self._group_name!r})"
+
+    # -- configuration ---------------------------------------------------------------------
+    @property
+    def communicator(self) -> Any:
+        """The engine's synchronous communicator of this group."""
+        return self._comm
+
+    @property
+    def timeout(self) -> float:
+        """Seconds any single wait of this group may take."""
+        return self._comm_config.timeout
+
+    @property
+    def compression(self) -> CompressionConfig:
+        """The compression all_reduce uses now (explicit, else environment, else off)."""
+        return self._compression if self._compression is not None else resolve_compression()
+
+    @compression.setter
+    def compression(self, config: CompressionConfig | None) -> None:
+        """Set explicit compression (wins over the environment); None: back to env."""
+        if config is not None and not isinstance(config, CompressionConfig):
+            raise ConfigError(f"expected a CompressionConfig or None, got {config!r}")
+        self._compression = config
+
+    # -- plumbing ----------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CGXError("this cgx process group has been shut down")
+
+    def _work(
+        self,
+        what: str,
+        cf: Any,
+        finish: Callable[[Any], Any],
+        timeout: Any = None,
+    ) -> CGXWork:
+        secs = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else None
+        limit = secs if secs is not None and secs > 0 else self._comm_config.timeout
+        work = CGXWork(what, limit)
+        work._attach(to_torch_future(cf, finish, done=work._mark_done))
+        return work
+
+    @staticmethod
+    def _single(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
+        if len(tensors) != 1:
+            raise ConfigError(f"cgx {what} takes exactly one tensor per call, got {len(tensors)}")
+        return tensors[0]
+
+    @staticmethod
+    def _staged(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+        """A contiguous tensor standing for ``t`` and the step that writes it back."""
+        if t.is_contiguous():
+            return t, lambda: None
+        stage = t.contiguous()
+        return stage, lambda: t.copy_(stage)
+
+    def _allreduce_into(self, t: torch.Tensor, op: Any) -> Any:
+        """Start an allreduce of contiguous ``t`` in place; returns the engine future."""
+        op = _red_op(op)
+        comm = self._comm
+        if op in (_RedOp.SUM, _RedOp.AVG) and t.dtype != torch.bool and can_reduce(t):
+            if op == _RedOp.AVG and not is_float(t):
+                raise ConfigError(f"AVG is defined for floating tensors only, got {t.dtype}")
+            flat = t.view(-1)
+            cfg = self.compression
+            if is_float(t) and cfg.enabled:
+                layout = Layout.from_sizes([flat.numel()], cfg)
+            else:
+                layout = Layout.uniform(flat.numel())
+            return comm.allreduce(
+                as_array(flat),
+                op="avg" if op == _RedOp.AVG else "sum",
+                layout=layout,
+                stochastic=cfg.stochastic,
+                seed=cfg.seed,
+            )
+        kind = _LOCAL_REDUCE.get(op)
+        if op in (_RedOp.SUM, _RedOp.AVG) and t.dtype == torch.bool:
+            kind = "bor"  # torch's SUM of bools is a logical or
+        if kind is None:
+            raise ConfigError(f"the cgx backend does not support reduce op {op}")
+        if kind in ("band", "bor", "bxor") and (t.is_floating_point() or t.is_complex()):
+            raise ConfigError(
+                f"bitwise reduce op {op} needs integer or bool tensors, got {t.dtype}"
+            )
+        if t.is_complex() and kind in ("max", "min"):
+            raise ConfigError(f"{op} is not defined for complex tensors")
+        return self._gather_reduce(t, kind)
+
+    def _gather_reduce(self, t: torch.Tensor, kind: str) -> Any:
+        """Exact reduction: allgather every rank's tensor, reduce locally in rank order."""
+        import concurrent.futures
+
+        flat = t.view(-1)
+        gathered = torch.empty((self._size, flat.numel()), dtype=t.dtype, device=t.device)
+        inner = self._comm.allgather(as_array(flat), out=as_array(gathered))
+        outer: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def reduce(f: concurrent.futures.Future[Any]) -> None:
+            exc = f.exception()
+            if exc is not None:
+                outer.set_exception(exc)
+                return
+            try:
+                _local_reduce(kind, gathered, flat)
+            except BaseException as err:
+                outer.set_exception(err)
+            else:
+                outer.set_result(None)
+
+        # The reduction is a few element-wise ops; it runs where the engine completes,
+        # before the torch future (and user callbacks) see the result.
+        inner.add_done_callback(reduce)
+        return outer
+
+    # -- collectives -------------------------------------------------------------------------
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> CGXWork:
+        self._check_open()
+        opts = opts if opts is not None else dist.AllreduceOptions()
+        t = self._single(tensors, "allreduce")
+        stage, back = self._staged(t)
+        cf = self._allreduce_into(stage, opts.reduceOp)
+
+        def finish(_: Any) -> list[torch.Tensor]:
+            back()
+            return tensors
+
+        return self._work("allreduce", cf, finish, opts.timeout)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> CGXWork:
+        self._check_open()
+        opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
+        if not tensors:
+            raise ConfigError("allreduce_coalesced needs at least one tensor")
+        if len({(t.dtype, t.device) for t in tensors}) != 1:
+            raise ConfigError("allreduce_coalesced needs tensors of one dtype and device")
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        cf = self._allreduce_into(flat, opts.reduceOp)
+
+        def finish(_: Any) -> list[torch.Tensor]:
+            offset = 0
+            for t in tensors:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+            return tensors
+
+        return self._work("allreduce_coalesced", cf, finish, opts.timeout)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> CGXWork:
+        self._check_open()
+        opts = opts if opts is not None else dist.BroadcastOptions()
+        t = self._single(tensors, "broadcast")
+        if opts.rootTensor != 0:
+            raise ConfigError("cgx broadcast takes one tensor per rank (rootTensor must be 0)")
+        stage, back = self._staged(t)
+        cf = self._comm.broadcast(as_array(stage), root=opts.rootRank)
+
+        def finish(_: Any) -> list[torch.Tensor]:
+            back()
+            return tensors
+
+        return self._work("broadcast", cf, finish, opts.timeout)
+
+    def _allgather_flat(self, inp: torch.Tensor, out: torch.Tensor) -> Any:
+        """Gather contiguous ``inp`` from every rank into contiguous ``out`` (world, n)."""
+        return self._comm.allgather(as_array(inp.reshape(-1)), out=as_array(out))
+
+    def allgather(
+        self,
+        output_tensors: list[list[torch.Tensor]],
+        input_tensors: list[torch.Tensor],
+        opts: Any = None,
+    ) -> CGXWork:
+        self._check_open()
+        t = self._single(input_tensors, "allgather")
+        outs = self._single(output_tensors, "allgather")
+        if len(outs) != self._size:
+            raise ConfigError(f"allgather needs {self._size} output tensors, got {len(outs)}")
+        for o in outs:
+            if o.shape != t.shape or o.dtype != t.dtype:
+                raise ConfigError(
+                    f"allgather outputs must match the input's shape and dtype "
+                    f"({tuple(t.shape)}, {t.dtype}), got ({tuple(o.shape)}, {o.dtype})"
+                )
+        src = t.contiguous()
+        gathered = torch.empty((self._size, t.numel()), dtype=t.dtype, device=t.device)
+        cf = self._allgather_flat(src, gathered)
+
+        def finish(_: Any) -> list[list[torch.Tensor]]:
+            for o, row in zip(outs, gathered, strict=True):
+                o.copy_(row.view_as(o))
+            return output_tensors
+
+        return self._work("allgather", cf, finish, getattr(opts, "timeout", None))
+
+    def all_gather_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> CGXWork:
+        """Gather every rank's ``input`` into ``output`` (world * numel values)."""
+        self._check_open()
+        if output.numel() != self._size * input.numel() or output.dtype != input.dtype:
+            raise ConfigError(
+                f"all_gather_single: output must hold {self._size} x {input.numel()} values "
+                f"of {input.dtype}, got {output.numel()} of {output.dtype}"
+            )
+        stage, back = self._staged(output)
+        cf = self._allgather_flat(input.contiguous(), stage.view(self._size, -1))
+
+        def finish(_: Any) -> list[torch.Tensor]:
+            back()
+            return [output]
+
+        return self._work("all_gather_single", cf, finish, getattr(opts, "timeout", None))
+
+    # torch < 2.13 names the same operation _allgather_base.
+    _allgather_base = all_gather_single
+
+    def _reduce_scatter_flat(
+        self, output: torch.Tensor, flat: torch.Tensor, op: Any, timeout: Any, what: str
+    ) -> CGXWork:
+        """Allreduce ``flat`` (a private buffer of world * n values), keep our chunk."""
+        n = output.numel()
+        if flat.numel() != self._size * n:
+            raise ConfigError(
+                f"{what}: input must hold {self._size} x {n} values, got {flat.numel()}"
+            )
+        cf = self._allreduce_into(flat, op)
+        rank = self._rank
+
+        def finish(_: Any) -> list[torch.Tensor]:
+            output.copy_(flat[rank * n : (rank + 1) * n].view_as(output))
+            return [output]
+
+        return self._work(what, cf, finish, timeout)
+
+    def reduce_scatter(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[list[torch.Tensor]],
+        opts: Any = None,
+    ) -> CGXWork:
+        self._check_open()
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        out = self._single(output_tensors, "reduce_scatter")
+        ins = self._single(input_tensors, "reduce_scatter")
+        if len(ins) != self._size:
+            raise ConfigError(f"reduce_scatter needs {self._size} input tensors, got {len(ins)}")
+        flat = torch.cat([x.reshape(-1) for x in ins])
+        return self._reduce_scatter_flat(out, flat, opts.reduceOp, opts.timeout, "reduce_scatter")
+
+    def reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> CGXWork:
+        self._check_open()
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        flat = input.reshape(-1).clone()  # the input must stay unchanged
+        return self._reduce_scatter_flat(
+            output, flat, opts.reduceOp, opts.timeout, "reduce_scatter_single"
+        )
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> CGXWork:
+        """Reduce to ``rootRank``; other ranks' tensors are left unchanged."""
+        self._check_open()
+        opts = opts if opts is not None else dist.ReduceOptions()
+        t = self._single(tensors, "reduce")
+        is_root = self._rank == opts.rootRank
+        stage = t.contiguous() if is_root else t.clone(memory_format=torch.contiguous_format)
+        cf = self._allreduce_into(stage, opts.reduceOp)
+
+        def finish(_: Any) -> list[torch.Tensor]:
+            if is_root and stage is not t:
+                t.copy_(stage)
+            return tensors
+
+        return self._work("reduce", cf, finish, opts.timeout)
+
+    def gather(
+        self,
+        output_tensors: list[list[torch.Tensor]],
+        input_tensors: list[torch.Tensor],
+        opts: Any = None,
+    ) -> CGXWork:
+        self._check_open()
+        opts = opts if opts is not None else dist.GatherOptions()
+        t = self._single(input_tensors, "gather")
+        is_root = self._rank == opts.rootRank
+        outs = self._single(output_tensors, "gather") if is_root else []
+        if is_root and len(outs) != self._size:
+            raise ConfigError(f"gather needs {self._size} output tensors, got {len(outs)}")
+        gathered = torch.empty((self._size, t.numel()), dtype=t.dtype, device=t.device)
+        cf = self._allgather_flat(t.contiguous(), gathered)
+
+        def finish(_: Any) -> list[list[torch.Tensor]]:
+            for o, row in zip(outs, gathered, strict=False):
+                o.copy_(row.view_as(o))
+            return output_tensors
+
+        return self._work("gather", cf, finish, opts.timeout)
+
+    def scatter(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[list[torch.Tensor]],
+        opts: Any = None,
+    ) -> CGXWork:
+        self._check_open()
+        opts = opts if opts is not None else dist.ScatterOptions()
+        out = self._single(output_tensors, "scatter")
+        is_root = self._rank == opts.rootRank
+        if is_root:
+            ins = self._single(input_tensors, "scatter")
+            if len(ins) != self._size:
+                raise ConfigError(f"scatter needs {self._size} input tensors, got {len(ins)}")
+            buf = torch.stack([x.reshape(-1) for x in ins])
+        else:
+            buf = torch.empty((self._size, out.numel()), dtype=out.dtype, device=out.device)
+        # One broadcast of every rank's part: simple and exact; scatter is rare in training.
+        cf = self._comm.broadcast(as_array(buf), root=opts.rootRank)
+        rank = self._rank
+
+        def finish(_: Any) -> list[torch.Tensor]:
+            out.copy_(buf[rank].view_as(out))
+            return output_tensors
+
+        return self._work("scatter", cf, finish, opts.timeout)
+
+    def barrier(self, opts: Any = None) -> CGXWork:
+        self._check_open()
+        cf = self._comm.barrier()
+        return self._work("barrier", cf, lambda _: [], getattr(opts, "timeout", None))
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> CGXWork:
+        raise CGXError("the cgx backend has no point-to-point send/recv; use a gloo group")
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> CGXWork:
+        raise CGXError("the cgx backend has no point-to-point send/recv; use a gloo group")
+
+    # -- lifetime ----------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Close the communicator (dist.destroy_process_group calls this)."""
+        if not self._closed:
+            self._closed = True
+            self._comm.close()
+
+    def abort(self) -> None:
+        self.shutdown()
+
+
+def _create(dist_opts: Any, pg_options: Any) -> ProcessGroupCGX:
+    """The creator registered with torch (extended API: we get group options)."""
+    return ProcessGroupCGX(
+        dist_opts.store,
+        dist_opts.group_rank,
+        dist_opts.group_size,
+        dist_opts.timeout,
+        pg_options,
+    )
+
+
+_registered = False
+_reg_lock = threading.Lock()
+
+
+def register() -> None:
+    """Register the ``cgx`` backend with torch.distributed (idempotent)."""
+    global _registered
+    with _reg_lock:
+        if _registered or BACKEND_NAME in dist.Backend.backend_list:
+            _registered = True
+            return
+        dist.Backend.register_backend(
+            BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"]
+        )
+        _registered = True
+
+
+# -- communicators for groups of other backends -------------------------------------------
+
+_comms: dict[str, Any] = {}
+_generations: dict[str, int] = {}
+_comms_lock = threading.Lock()
+
+
+def get_communicator(
+    group: dist.ProcessGroup | None = None, *, config: CommConfig | None = None
+) -> Any:
+    """The cgx_ucx synchronous communicator serving ``group`` (default: WORLD).
+
+    A ``cgx`` group has its own. For a group of another backend (DDP on gloo with
+    cgx_hook), a cgx_ucx communicator over the same ranks is made on first use,
+    through that group's store, and kept for the life of the process: this is a
+    collective call, all ranks of the group must make it (CGXState and GradientSync
+    do, at construction).
+    """
+    group = group if group is not None else dist.group.WORLD
+    if group is None:
+        raise ConfigError("torch.distributed is not initialized: call init_process_group first")
+    if isinstance(group, ProcessGroupCGX):
+        return group.communicator
+    name = group.group_name
+    with _comms_lock:
+        comm = _comms.get(name)
+        if comm is not None and not getattr(comm, "closed", False):
+            return comm
+        store = group.get_group_store()
+        if store is None:
+            raise ConfigError(f"process group {name!r} has no store to rendezvous through")
+        cfg = config if config is not None else resolve_comm()
+        # A fresh prefix per communicator made for this group, so that a second one
+        # (after the first was closed) never reads the first one's store keys.
+        gen = _generations.get(name, 0)
+        _generations[name] = gen + 1
+        comm = _connect(store, group.rank(), group.size(), cfg, f"cgx_ucx_hook/{gen}")
+        _comms[name] = comm
+        return comm

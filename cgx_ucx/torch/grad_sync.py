@@ -1,0 +1,352 @@
+"""Gradient averaging without DDP: per-parameter hooks, fused buckets, overlap.
+
+For custom and asyncio training loops::
+
+    sync = GradientSync(model)                # collective: every rank constructs it
+    for x, y in data:
+        loss_fn(model(x), y).backward()       # buckets start their allreduce here
+        sync.synchronize()                    # or: await sync  (asyncio loops)
+        opt.step(); opt.zero_grad()
+
+How (numbered as in PyTorch's comm hooks):
+
+1. At construction, the parameters that require grad are split into buckets of at
+   most ``bucket_cap_mb``, in reverse registration order (gradients of the last
+   layers are ready first in backward), one dtype and device per bucket. Each bucket
+   has a persistent flat buffer and a layer layout (1-D and small layers uncompressed,
+   as in :func:`~cgx_ucx.torch.hook.cgx_hook`).
+2. ``Tensor.register_post_accumulate_grad_hook`` on every parameter (public autograd
+   API; nothing reaches into ``grad_fn``) copies the accumulated gradient into its
+   bucket. When a bucket is full it is divided by the world size and its compressed
+   allreduce starts on the engine thread while backward goes on. Buckets start in
+   index order on every rank, so ranks whose autograd order differs still pair the
+   same buckets (the engine pairs collectives by sequence number).
+3. ``synchronize()`` starts the buckets whose parameters got no gradient in this
+   backward (their values count as zero, as DDP's find_unused_parameters), waits for
+   all with the communicator's timeout, and writes the averages into ``param.grad``.
+
+Gradient accumulation: wrap the backward passes that should not communicate in
+``with sync.no_sync():``; a parameter that becomes ready twice between two
+synchronizations is an error (as in DDP), not a silent double count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import threading
+from collections.abc import Generator, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import CompressionConfig, resolve_comm, resolve_compression
+from ..errors import CGXTimeoutError, ConfigError
+from ..layout import Layout
+from ._convert import as_array
+from ._feedback import LayerFeedback
+from .backend import get_communicator
+from .hook import PAPER_DEFAULTS, layer_layout, wire_bytes
+
+__all__ = ["GradientSync"]
+
+#: DDP's default bucket cap (torch.nn.parallel.DistributedDataParallel, 25 MiB): large
+#: enough to amortize per-message costs, small enough to overlap with backward.
+DEFAULT_BUCKET_CAP_MB = 25.0
+
+
+@dataclass
+class _Bucket:
+    index: int
+    params: list[torch.nn.Parameter]
+    offsets: list[int]
+    buffer: torch.Tensor
+    layout: Layout
+    ready: set[int] = field(default_factory=set)  # slots whose gradient is in the buffer
+    future: concurrent.futures.Future[Any] | None = None
+
+    @property
+    def full(self) -> bool:
+        return len(self.ready) == len(self.params)
+
+
+class GradientSync:
+    """Average the gradients of ``model_or_params`` across ranks with compressed allreduce.
+
+    ``process_group`` (default WORLD) or an explicit engine ``communicator`` selects the
+    ranks; on a non-``cgx`` group a cgx_ucx communicator is made, so construction is
+    collective. ``compression_params``, ``layer_min_size`` and ``error_feedback`` mean
+    what they mean for :class:`~cgx_ucx.torch.hook.CGXState` (paper defaults: 4 bits,
+    bucket 1024). Stats: ``steps``, ``bytes_sent``, ``bytes_per_step``.
+    """
+
+    def __init__(
+        self,
+        model_or_params: torch.nn.Module | Iterable[torch.nn.Parameter],
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        communicator: Any = None,
+        compression_params: Mapping[str, Any] | None = None,
+        layer_min_size: int = 1024,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        error_feedback: bool = False,
+        timeout: float | None = None,
+    ) -> None:
+        if isinstance(model_or_params, torch.nn.Module):
+            candidates = list(model_or_params.parameters())
+        else:
+            candidates = list(model_or_params)
+        params: list[torch.nn.Parameter] = []
+        seen: set[int] = set()
+        for p in candidates:
+            if not isinstance(p, torch.Tensor):
+                raise ConfigError(f"GradientSync takes a module or tensors, got {type(p)}")
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+        if not params:
+            raise ConfigError("GradientSync got no parameters that require grad")
+        if not bucket_cap_mb > 0:
+            raise ConfigError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+        if not isinstance(layer_min_size, int) or layer_min_size < 0:
+            raise ConfigError(f"layer_min_size must be an integer >= 0, got {layer_min_size!r}")
+
+        # -- tuned by the user
+        self.compression_params = dict(compression_params or {})
+        self.layer_min_size = layer_min_size
+        self.error_feedback = bool(error_feedback)
+        config = self.compression  # validate now
+        # -- internal
+        if communicator is None:
+            communicator = get_communicator(process_group)
+        self.communicator = communicator
+        self.world_size = int(communicator.world_size)
+        self.timeout = timeout if timeout is not None else _comm_timeout(process_group)
+        self._config = config
+        self._feedback = LayerFeedback() if self.error_feedback else None
+        self._lock = threading.Lock()
+        self._enabled = True
+        self._next = 0  # index of the next bucket to start
+        self._buckets = self._make_buckets(params, int(bucket_cap_mb * 1024 * 1024), config)
+        self._slot: dict[int, tuple[_Bucket, int]] = {}
+        for b in self._buckets:
+            for i, p in enumerate(b.params):
+                self._slot[id(p)] = (b, i)
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        # -- stats
+        self.steps = 0
+        self.bytes_sent = 0
+        self.bytes_per_step = 0
+        self._step_bytes = 0
+
+    # -- configuration -------------------------------------------------------------------
+    @property
+    def compression(self) -> CompressionConfig:
+        """The configuration buckets use (params > environment > paper defaults)."""
+        return resolve_compression(PAPER_DEFAULTS, **self.compression_params)
+
+    @property
+    def buckets(self) -> list[list[torch.nn.Parameter]]:
+        """The parameters of each bucket, in the order buckets are sent."""
+        return [list(b.params) for b in self._buckets]
+
+    def _make_buckets(
+        self, params: list[torch.nn.Parameter], cap_bytes: int, config: CompressionConfig
+    ) -> list[_Bucket]:
+        groups: list[list[torch.nn.Parameter]] = []
+        current: list[torch.nn.Parameter] = []
+        size = 0
+        for p in reversed(params):
+            nbytes = p.numel() * p.element_size()
+            same_kind = not current or (
+                current[0].dtype == p.dtype and current[0].device == p.device
+            )
+            if current and (not same_kind or size + nbytes > cap_bytes):
+                groups.append(current)
+                current, size = [], 0
+            current.append(p)
+            size += nbytes
+        if current:
+            groups.append(current)
+        buckets = []
+        for index, group in enumerate(groups):
+            offsets, total = [], 0
+            for p in group:
+                offsets.append(total)
+                total += p.numel()
+            buffer = torch.zeros(total, dtype=group[0].dtype, device=group[0].device)
+            layout = layer_layout(group, config, self.layer_min_size)
+            buckets.append(_Bucket(index, group, offsets, buffer, layout))
+        return buckets
+
+    # -- hooks ---------------------------------------------------------------------------
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if not self._enabled:
+            return
+        bucket, slot = self._slot[id(param)]
+        grad = param.grad
+        if grad is None:  # nothing accumulated (cannot normally happen): count as zero
+            return
+        if grad.is_sparse:
+            raise ConfigError("GradientSync handles dense gradients only")
+        with self._lock:
+            if slot in bucket.ready or bucket.future is not None:
+                raise ConfigError(
+                    "a parameter's gradient became ready twice before synchronize(); "
+                    "use `with sync.no_sync():` for the backward passes that accumulate"
+                )
+            off = bucket.offsets[slot]
+            bucket.buffer[off : off + grad.numel()].copy_(grad.reshape(-1))
+            bucket.ready.add(slot)
+            self._start_ready()
+
+    def _start_ready(self) -> None:
+        """Start, in index order, every bucket that is full (caller holds the lock)."""
+        while self._next < len(self._buckets) and self._buckets[self._next].full:
+            self._start(self._buckets[self._next])
+            self._next += 1
+
+    def _start(self, bucket: _Bucket) -> None:
+        config = self._config
+        buf = bucket.buffer
+        buf.div_(self.world_size)
+        if self._feedback is not None and bucket.layout.compressed:
+            self._feedback.apply(bucket.index, buf, bucket.layout)
+        seed = (config.seed + (self.steps << 20) + bucket.index) % (1 << 64)
+        bucket.future = self.communicator.allreduce(
+            as_array(buf), op="sum", layout=bucket.layout, stochastic=config.stochastic, seed=seed
+        )
+        self._step_bytes += wire_bytes(bucket.layout, buf.element_size(), self.world_size)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Generator[None, None, None]:
+        """Backward passes inside accumulate into ``param.grad`` without communicating."""
+        previous, self._enabled = self._enabled, False
+        try:
+            yield
+        finally:
+            self._enabled = previous
+
+    # -- synchronization -------------------------------------------------------------------
+    def _start_rest(self) -> list[concurrent.futures.Future[Any]]:
+        """Fill what no hook delivered with zeros, start the rest; return all futures."""
+        with self._lock:
+            for b in self._buckets[self._next :]:
+                for slot, p in enumerate(b.params):
+                    if slot not in b.ready:
+                        off = b.offsets[slot]
+                        b.buffer[off : off + p.numel()].zero_()
+                        b.ready.add(slot)
+            self._start_ready()
+            return [b.future for b in self._buckets if b.future is not None]
+
+    def _finish(self) -> None:
+        """Write the averages into ``param.grad`` and reset for the next step."""
+        for b in self._buckets:
+            for p, off in zip(b.params, b.offsets, strict=True):
+                avg = b.buffer[off : off + p.numel()].view_as(p)
+                if p.grad is None:
+                    p.grad = avg.clone()
+                else:
+                    p.grad.copy_(avg)
+            b.ready.clear()
+            b.future = None
+        self._next = 0
+        self.steps += 1
+        self.bytes_sent += self._step_bytes
+        self.bytes_per_step, self._step_bytes = self._step_bytes, 0
+        # The next step's layouts follow the configuration in force now.
+        config = self.compression
+        if config != self._config:
+            self._config = config
+            for b in self._buckets:
+                b.layout = layer_layout(b.params, config, self.layer_min_size)
+
+    def _raise_first(self, futures: list[concurrent.futures.Future[Any]]) -> None:
+        for f in futures:
+            exc = f.exception(timeout=0)
+            if exc is not None:
+                self._reset_after_error()
+                raise exc
+
+    def _reset_after_error(self) -> None:
+        for b in self._buckets:
+            b.ready.clear()
+            b.future = None
+        self._next = 0
+        self._step_bytes = 0
+
+    def synchronize(self) -> None:
+        """Finish this step's gradient averaging; ``param.grad`` holds the averages."""
+        futures = self._start_rest()
+        _, pending = concurrent.futures.wait(futures, timeout=self.timeout)
+        if pending:
+            self._reset_after_error()
+            raise CGXTimeoutError(
+                f"{len(pending)} gradient bucket(s) not averaged within {self.timeout:.3g} s"
+            )
+        self._raise_first(futures)
+        self._finish()
+
+    async def synchronize_async(self) -> None:
+        """:meth:`synchronize` for asyncio loops: waits without blocking the loop."""
+        futures = self._start_rest()
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*(asyncio.wrap_future(f) for f in futures)), self.timeout
+            )
+        except TimeoutError as exc:
+            self._reset_after_error()
+            raise CGXTimeoutError(
+                f"gradient buckets not averaged within {self.timeout:.3g} s"
+            ) from exc
+        except BaseException:
+            self._reset_after_error()
+            raise
+        self._finish()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self.synchronize_async().__await__()
+
+    # -- checkpointing and lifetime ----------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        residuals = self._feedback.state_dict() if self._feedback is not None else {}
+        return {"steps": self.steps, "residuals": residuals}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        try:
+            steps = int(state["steps"])
+            residuals = state["residuals"]
+        except (KeyError, ValueError, TypeError) as exc:
+            raise ConfigError(f"not a GradientSync state dict: {exc!r}") from exc
+        if self._feedback is not None:
+            self._feedback.load_state_dict(residuals)
+        elif residuals:
+            raise ConfigError("the state holds error-feedback residuals but error_feedback is off")
+        self.steps = steps
+
+    def remove(self) -> None:
+        """Unregister the gradient hooks (the communicator stays open)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __repr__(self) -> str:
+        return (
+            f"GradientSync({sum(len(b.params) for b in self._buckets)} params in "
+            f"{len(self._buckets)} buckets, world_size={self.world_size}, "
+            f"compression={self._config})"
+        )
+
+
+def _comm_timeout(group: dist.ProcessGroup | None) -> float:
+    """The wait bound: the cgx group's timeout, else CGX_UCX_TIMEOUT / the default."""
+    from .backend import ProcessGroupCGX
+
+    group = group if group is not None else dist.group.WORLD
+    if isinstance(group, ProcessGroupCGX):
+        return group.timeout
+    return resolve_comm().timeout

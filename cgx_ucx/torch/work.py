@@ -1,0 +1,95 @@
+"""The Work object the `cgx` backend returns for every collective.
+
+Why a ``torch.distributed._Work`` subclass and not ``_create_work_from_future``: in
+torch 2.13 a Work made from a future whose result is an exception still reports
+success and its ``wait()`` returns normally (measured: ``is_success()`` is True),
+which would turn a lost peer into silently stale tensors. This class raises the
+engine's own exception (a :class:`~cgx_ucx.errors.CGXError` subclass) from ``wait()``,
+bounds every wait by the group's timeout, and hands out the torch future that DDP
+and ``get_future()`` users chain on.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CGXTimeoutError
+
+__all__ = ["CGXWork"]
+
+
+def _seconds(timeout: Any) -> float | None:
+    """Seconds of a wait timeout; None when it means "no timeout" (torch's 0 or < 0)."""
+    if timeout is None:
+        return None
+    secs = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    return secs if secs > 0 else None
+
+
+class CGXWork(dist._Work):
+    """Handle of one collective in flight.
+
+    ``wait(timeout)`` blocks until the collective completes, at most ``timeout`` (or
+    the group's timeout when none is given), then re-raises the collective's error.
+    ``get_future()`` returns a ``torch.futures.Future`` whose value is the list of
+    output tensors, as gloo's.
+    """
+
+    def __init__(self, what: str, timeout: float) -> None:
+        super().__init__()
+        self._future: torch.futures.Future[Any] = torch.futures.Future()
+        self._what = what
+        self._timeout = timeout
+        self._done = threading.Event()
+        self._exception: BaseException | None = None
+
+    def _attach(self, future: torch.futures.Future[Any]) -> None:
+        """Set the future that completes this work (right after construction)."""
+        self._future = future
+
+    # Called from a completion thread, after the future is completed.
+    def _mark_done(self, exc: BaseException | None) -> None:
+        self._exception = exc
+        self._done.set()
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Block until done; raise the collective's error or CGXTimeoutError."""
+        limit = _seconds(timeout) or self._timeout
+        if not self._done.wait(limit):
+            raise CGXTimeoutError(
+                f"cgx {self._what} did not complete within {limit:.3g} s "
+                "(the process group's timeout); a peer is dead or silent"
+            )
+        if self._exception is not None:
+            raise self._exception
+        return True
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._exception is None
+
+    def exception(self) -> BaseException | None:
+        return self._exception
+
+    def result(self) -> Any:
+        self.wait()
+        return self._future.value()
+
+    def synchronize(self) -> None:
+        # Results are written by the engine before the future completes (CPU), or on
+        # a stream it has synchronized (CUDA): nothing to order here.
+        return None
+
+    def __repr__(self) -> str:
+        state = "done" if self._done.is_set() else "pending"
+        return f"CGXWork({self._what}, {state})"

@@ -1,0 +1,201 @@
+"""Single-process tests of the torch layer: conversions, futures, work, layouts, config."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import threading
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+from cgx_ucx.config import CommConfig, CompressionConfig  # noqa: E402
+from cgx_ucx.errors import CGXTimeoutError, ConfigError, PeerLostError  # noqa: E402
+from cgx_ucx.layout import Layout  # noqa: E402
+from cgx_ucx.torch import BACKEND_NAME, CGXOptions, layer_layout, wire_bytes  # noqa: E402
+from cgx_ucx.torch._convert import as_array  # noqa: E402
+from cgx_ucx.torch.backend import _comm_config, _local_reduce  # noqa: E402
+from cgx_ucx.torch.futures import to_torch_future  # noqa: E402
+from cgx_ucx.torch.work import CGXWork  # noqa: E402
+
+
+# -- conversions ---------------------------------------------------------------------------
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("n", [0, 1, 1023])
+@pytest.mark.parametrize(
+    "dtype,np_dtype",
+    [
+        (torch.float32, np.float32),
+        (torch.float16, np.float16),
+        (torch.bfloat16, ml_dtypes.bfloat16),
+        (torch.int64, np.int64),
+        (torch.uint8, np.uint8),
+    ],
+)
+def test_as_array_is_a_view(n: int, dtype: torch.dtype, np_dtype: type) -> None:
+    t = torch.zeros(n, dtype=dtype)
+    a = as_array(t)
+    assert a.dtype == np.dtype(np_dtype) and a.shape == (n,)
+    if n:
+        a[-1] = 3  # written through the array, seen by the tensor: no copy
+        assert t[-1].item() == 3
+
+
+@pytest.mark.timeout(30)
+def test_as_array_rejects_non_contiguous_and_sparse() -> None:
+    with pytest.raises(ConfigError, match="contiguous"):
+        as_array(torch.zeros(4, 4).t())
+    with pytest.raises(ConfigError, match="dense"):
+        as_array(torch.zeros(4).to_sparse())
+
+
+@pytest.mark.timeout(30)
+def test_as_array_detaches_requires_grad() -> None:
+    p = torch.nn.Parameter(torch.ones(3))
+    a = as_array(p)
+    a[0] = 5
+    assert p[0].item() == 5
+
+
+# -- futures -------------------------------------------------------------------------------
+@pytest.mark.timeout(30)
+def test_torch_future_keeps_the_engine_error_type() -> None:
+    src: concurrent.futures.Future[object] = concurrent.futures.Future()
+    seen: list[BaseException | None] = []
+    fut = to_torch_future(src, lambda v: v, done=seen.append)
+    err = PeerLostError("rank 1 died", peer=1)
+    src.set_exception(err)
+    with pytest.raises(PeerLostError) as info:
+        fut.wait()
+    assert info.value is err and info.value.peer == 1
+    deadline = time.monotonic() + 5
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seen == [err]
+
+
+@pytest.mark.timeout(30)
+def test_torch_future_callbacks_run_off_the_completing_thread() -> None:
+    """then-callbacks must not run on the engine's loop thread (they may block)."""
+    src: concurrent.futures.Future[int] = concurrent.futures.Future()
+    fut = to_torch_future(src, lambda v: torch.tensor([v]))
+    where: list[str] = []
+    chained = fut.then(lambda f: where.append(threading.current_thread().name) or f.value() * 2)
+    completer = threading.Thread(target=src.set_result, args=(21,), name="fake-loop")
+    completer.start()
+    completer.join()
+    assert chained.wait().item() == 42
+    assert where and where[0].startswith("cgx-complete")
+
+
+@pytest.mark.timeout(30)
+def test_failing_finish_fails_the_future() -> None:
+    src: concurrent.futures.Future[int] = concurrent.futures.Future()
+
+    def finish(_: int) -> None:
+        raise ConfigError("bad output")
+
+    fut = to_torch_future(src, finish)
+    src.set_result(1)
+    with pytest.raises(ConfigError, match="bad output"):
+        fut.wait()
+
+
+# -- work ----------------------------------------------------------------------------------
+@pytest.mark.timeout(30)
+def test_work_wait_times_out_with_a_typed_error() -> None:
+    src: concurrent.futures.Future[int] = concurrent.futures.Future()
+    work = CGXWork("allreduce", timeout=0.2)
+    work._attach(to_torch_future(src, lambda v: [torch.ones(1)], done=work._mark_done))
+    t0 = time.monotonic()
+    with pytest.raises(CGXTimeoutError, match="allreduce"):
+        work.wait()
+    assert time.monotonic() - t0 < 5
+    assert not work.is_completed()
+    with pytest.raises(CGXTimeoutError):
+        work.wait(datetime.timedelta(milliseconds=50))
+    src.set_result(0)
+    assert work.wait() is True
+    assert work.is_completed() and work.is_success() and work.exception() is None
+    assert torch.equal(work.get_future().wait()[0], torch.ones(1))
+
+
+@pytest.mark.timeout(30)
+def test_work_wait_raises_the_collective_error() -> None:
+    src: concurrent.futures.Future[int] = concurrent.futures.Future()
+    work = CGXWork("broadcast", timeout=10)
+    work._attach(to_torch_future(src, lambda v: [], done=work._mark_done))
+    src.set_exception(PeerLostError("peer 3 lost", peer=3))
+    with pytest.raises(PeerLostError, match="peer 3"):
+        work.wait()
+    assert work.is_completed() and not work.is_success()
+    assert isinstance(work.exception(), PeerLostError)
+
+
+# -- layouts and bytes ---------------------------------------------------------------------
+@pytest.mark.timeout(30)
+def test_layer_layout_follows_the_paper_rules() -> None:
+    cfg = CompressionConfig(bits=4, bucket_size=1024, minimal_size=16)
+    tensors = [
+        torch.zeros(64, 32),  # 2048 values, 2-D: compressed
+        torch.zeros(2048),  # 1-D (bias/norm): uncompressed
+        torch.zeros(10, 10),  # 100 < layer_min_size: uncompressed
+        torch.zeros(32, 32, dtype=torch.int64),  # not floating: uncompressed
+        torch.zeros(0, 5),  # empty
+    ]
+    layout = layer_layout(tensors, cfg, layer_min_size=1024)
+    assert [s.numel for s in layout] == [2048, 2048, 100, 1024, 0]
+    assert [s.bits for s in layout] == [4, 32, 32, 32, 32]
+    assert layout.numel == sum(t.numel() for t in tensors)
+    off = layer_layout(tensors, CompressionConfig(), layer_min_size=1024)
+    assert not off.compressed  # bits=32: nothing quantized
+
+
+@pytest.mark.timeout(30)
+def test_wire_bytes() -> None:
+    layout = Layout.from_sizes([4096, 10], CompressionConfig(bits=4, bucket_size=1024))
+    # compressed: 4 buckets * 8 B meta + 4096 * 4 / 8 code bytes; raw: 10 * 4 B
+    per_buffer = 4 * 8 + 2048 + 40
+    assert wire_bytes(layout, 4, world_size=2) == per_buffer  # 2 * (1/2) of the buffer
+    assert wire_bytes(layout, 4, world_size=4) == 2 * per_buffer * 3 // 4
+    assert wire_bytes(Layout.uniform(0), 4, world_size=2) == 0
+
+
+# -- configuration ---------------------------------------------------------------------------
+@pytest.mark.timeout(30)
+def test_comm_config_uses_the_given_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CGX_UCX_TIMEOUT", raising=False)
+    cfg = _comm_config(datetime.timedelta(seconds=7), None)
+    assert cfg.timeout == 7 and cfg.connect_timeout == 7
+    # torch's default (30 min) means "not given": CGX's own default applies, capped by it.
+    cfg = _comm_config(dist.default_pg_timeout, None)
+    assert cfg.timeout == CommConfig().timeout
+    monkeypatch.setenv("CGX_UCX_TIMEOUT", "12")
+    assert _comm_config(dist.default_pg_timeout, None).timeout == 12
+    base = CGXOptions(comm=CommConfig(progress_mode="polling"))
+    assert _comm_config(datetime.timedelta(seconds=3), base).progress_mode == "polling"
+    with pytest.raises(ConfigError):
+        _comm_config(datetime.timedelta(seconds=0), None)
+
+
+@pytest.mark.timeout(30)
+def test_backend_is_registered() -> None:
+    assert BACKEND_NAME in dist.Backend.backend_list
+    assert dist.Backend.backend_capability[BACKEND_NAME] == ["cpu", "cuda"]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "kind,expected",
+    [("max", [3, 5, 4]), ("min", [1, -2, 0]), ("prod", [3, -10, 0]), ("bxor", [2, -5, 4])],
+)
+def test_local_reduce(kind: str, expected: list[int]) -> None:
+    gathered = torch.tensor([[1, 5, 4], [3, -2, 0]])
+    out = torch.empty(3, dtype=torch.int64)
+    _local_reduce(kind, gathered, out)
+    assert out.tolist() == expected
