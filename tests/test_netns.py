@@ -289,3 +289,58 @@ def test_run_ranks_forwards_child_tracebacks_and_deadlines() -> None:
             link.run_ranks(["sleep", "30"], timeout=1)
         ok = link.run_ranks([sys.executable, "-c", "print('hi')"], timeout=20)
         assert [r.stdout for r in ok] == ["hi\n", "hi\n"]
+
+
+_ALLREDUCE_RANK = """
+import asyncio, datetime, hashlib, os, sys
+import numpy as np
+import torch.distributed as dist
+import cgx_ucx
+
+async def main():
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          rank == 0, timeout=datetime.timedelta(seconds=20))
+    comm = await asyncio.wait_for(cgx_ucx.connect(store, rank, world), 20)
+    try:
+        n = 300_001  # not a multiple of the bucket
+        base = (np.arange(n) % 1000).astype(np.float32)
+        x = base + rank  # integers: every float32 sum order is exact
+        await asyncio.wait_for(comm.allreduce(x, op="sum", bits=32), 20)
+        assert np.array_equal(x, world * base + world * (world - 1) / 2), "bits=32 not exact"
+        for bits in (2, 4, 8):
+            c = np.full(n, rank + 1.0, dtype=np.float32)  # constant buckets decode exactly
+            await asyncio.wait_for(comm.allreduce(c, op="sum", bits=bits, bucket_size=1024), 20)
+            assert np.array_equal(c, np.full(n, world * (world + 1) / 2, dtype=np.float32)), bits
+            r = np.arange(n, dtype=np.float32) * (rank + 1)
+            want = np.arange(n, dtype=np.float64) * world * (world + 1) / 2
+            await asyncio.wait_for(comm.allreduce(r, op="sum", bits=bits, bucket_size=1024), 20)
+            # CGX's bound (issue 4): each rank's slope is at most `world`.
+            bound = 2 * world * 1024 / (2**bits - 1) * world * (world + 1)
+            err = float(np.max(np.abs(r - want)))
+            assert err < bound, (bits, err, bound)
+            print(bits, hashlib.sha256(r.tobytes()).hexdigest(), flush=True)
+    finally:
+        await asyncio.wait_for(comm.close(), 20)
+
+asyncio.run(main())
+"""
+
+
+@needs_netns
+@pytest.mark.netns
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(
+    not hasattr(__import__("cgx_ucx"), "connect"), reason="cgx_ucx.connect (issue 3) not there"
+)
+def test_cgx_allreduce_across_a_shaped_link_is_correct() -> None:
+    before = _namespaces()
+    with LinkEmulator(2, "1gbit", prefix=PREFIX) as link:
+        sent = [link.egress_bytes(r) for r in range(2)]
+        results = link.run_ranks([sys.executable, "-c", _ALLREDUCE_RANK], timeout=45)
+        crossed = [link.egress_bytes(r) - sent[r] for r in range(2)]
+    # Bit-identical replicas on both ranks, at every width.
+    assert results[0].stdout == results[1].stdout and results[0].stdout.count("\n") == 3
+    # The 1.2 MB of the exact allreduce alone went through each rank's shaped device.
+    assert min(crossed) > 300_001 * 4, crossed
+    assert _namespaces() == before

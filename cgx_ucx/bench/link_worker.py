@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--bucket-size", type=int, default=1024)
     tr.add_argument("--steps", type=int, default=20)
     tr.add_argument("--warmup", type=int, default=3)
-    tr.add_argument("--batch", type=int, default=32)
+    tr.add_argument("--batch", type=int, default=8)
     tr.add_argument("--input", type=int, default=1024)
     tr.add_argument("--hidden", type=int, default=3072)
     tr.add_argument("--layers", type=int, default=3)
