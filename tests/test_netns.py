@@ -188,14 +188,13 @@ from cgx_ucx.bench.netns import LinkEmulator
 link = LinkEmulator(2, "1gbit", prefix=sys.argv[1])
 link.start()
 p = link.popen(1, ["sleep", "60"])
-print(" ".join(link.namespaces), p.pid, flush=True)
-if sys.argv[2] == "kill":
-    time.sleep(60)  # the parent SIGKILLs us: no handler, no finally runs
-else:
-    try:
-        time.sleep(60)  # the parent sends a signal: the handler tears down, then re-raises
-    except KeyboardInterrupt:
-        sys.exit(42)
+try:  # announced inside the try: the parent's signal may come at once
+    print(" ".join(link.namespaces), p.pid, flush=True)
+    # "kill": the parent SIGKILLs us, no handler and no finally runs. "signal": the
+    # handler tears down, then re-raises (KeyboardInterrupt for SIGINT).
+    time.sleep(60)
+except KeyboardInterrupt:
+    sys.exit(42)
 """
 
 
