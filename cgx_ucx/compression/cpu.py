@@ -1,9 +1,480 @@
-"""Host backend. Interim: delegates to the NumPy reference until the Numba kernels land."""
+"""Host backend: fused Numba kernels, one pass over memory per bucket, parallel across cores.
 
-from .reference import (  # noqa: F401
-    decode_add_into,
-    decode_into,
-    empty_bytes,
-    empty_values,
-    encode_into,
-)
+Work is split into *chunks* of ``k = 8 // gcd(bucket_size, 8)`` buckets, so every chunk
+starts at a value index that is a multiple of 8 and therefore at a whole code byte: no two
+threads ever write the same byte, whatever the bit width. Each bucket of a chunk is loaded
+once from memory, reduced to (min, max) and quantized into a per-thread scratch of codes
+while it is still in L1; the chunk's codes are then bit-packed from that scratch. With the
+usual bucket sizes (multiples of 8, e.g. 512 or 1024) a chunk is one bucket. Decode runs
+the same way backwards (unpack to scratch, then dequantize or accumulate).
+
+The float32 arithmetic is the reference's (see :mod:`.codec`) with no fast-math and no
+fused multiply-add, so the bytes equal :mod:`.reference`'s exactly; the tests check it.
+
+float16 and bfloat16 have no Numba type: their bits travel as ``uint16`` (float16) and
+``int16`` (bfloat16) views, and the element type selects the conversion at compile time
+(:func:`_load`, :func:`_store`). Kernels are compiled on first use, not at import, and
+cached on disk (``cache=True``).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import overload
+
+from .codec import BFLOAT16, HEADER_NBYTES, CodecHeader
+from .reference import GOLDEN, MIX1, MIX2, U_SHIFT, empty_bytes, empty_values, seed_key
+
+__all__ = ["decode_add_into", "decode_into", "empty_bytes", "empty_values", "encode_into"]
+
+#: Below this many values a call runs on the calling thread: waking Numba's thread pool
+#: costs tens of microseconds, more than quantizing 64 Ki values on one core (bench: codec).
+PARALLEL_MIN_NUMEL = 1 << 16
+
+_GOLDEN = np.uint64(GOLDEN)
+_MIX1 = np.uint64(MIX1)
+_MIX2 = np.uint64(MIX2)
+_U_SHIFT = np.uint64(U_SHIFT)
+_U_SCALE = np.float32(2.0**-24)
+_NAN32 = np.float32(np.nan)
+_INF32 = np.float32(np.inf)
+_ZERO32 = np.float32(0.0)
+_HALF32 = np.float32(0.5)
+#: 2**112 rescales float16 bits shifted into float32 position (exponent bias 127 - 15).
+_F16_SCALE = np.float32(2.0**112)
+
+
+# ---------------------------------------------------------------------------------------
+# element conversions (exact; float32 -> float16/bfloat16 round half to even, as NumPy
+# and ml_dtypes do). Numba widens integer arithmetic to 64 bits, so np.uint32()/np.int32()
+# narrow a value before each bit-cast (.view).
+
+
+@njit
+def _f16_to_f32(h):
+    h32 = np.uint32(h)
+    mag = np.uint32((h32 & 0x7FFF) << 13)
+    # normals and subnormals: an exact rescale by 2**112; Inf/NaN: exponent all ones
+    normal = np.float32(np.uint32(mag).view(np.float32) * _F16_SCALE).view(np.uint32)
+    special = np.uint32(mag | 0x7F800000)
+    bits = special if (h32 & 0x7C00) == 0x7C00 else normal
+    return np.uint32(bits | ((h32 & 0x8000) << 16)).view(np.float32)
+
+
+@njit
+def _bf16_to_f32(h):
+    return np.uint32(np.uint32(np.uint16(h)) << 16).view(np.float32)
+
+
+@njit
+def _f32_to_f16(v):
+    f = np.int64(np.float32(v).view(np.uint32))
+    sign = f & 0x80000000
+    f = f ^ sign
+    if f >= 0x47800000:  # >= 65536: Inf (NaN stays a quiet NaN)
+        o = 0x7E00 if f > 0x7F800000 else 0x7C00
+    elif f < 0x38800000:  # below the smallest normal half: the FPU rounds (0.5 = 0x3F000000)
+        g = np.uint32(f).view(np.float32) + _HALF32
+        o = np.int64(np.float32(g).view(np.uint32)) - 0x3F000000
+    else:  # rebias the exponent 127 -> 15 and round half to even; a carry may give Inf
+        o = (f - 0x38000000 + 0xFFF + ((f >> 13) & 1)) >> 13
+    return np.uint16(o | (sign >> 16))
+
+
+@njit
+def _f32_to_bf16(v):
+    f = np.int64(np.float32(v).view(np.uint32))
+    if (f & 0x7FFFFFFF) > 0x7F800000:  # NaN: quiet, keep the sign
+        o = (f >> 16) | 0x40
+    else:
+        o = (f + 0x7FFF + ((f >> 16) & 1)) >> 16
+    return np.int16(np.uint16(o & 0xFFFF))
+
+
+def _load(x, i):  # pragma: no cover - replaced by the overload
+    raise NotImplementedError
+
+
+@overload(_load)
+def _ol_load(x, i):
+    dt = x.dtype
+    if dt == types.float32:
+        return lambda x, i: x[i]
+    if dt == types.uint16:
+        return lambda x, i: _f16_to_f32(x[i])
+    if dt == types.int16:
+        return lambda x, i: _bf16_to_f32(x[i])
+    return None
+
+
+def _store(out, i, v):  # pragma: no cover - replaced by the overload
+    raise NotImplementedError
+
+
+@overload(_store)
+def _ol_store(out, i, v):
+    dt = out.dtype
+    if dt == types.uint16:
+
+        def store_f16(out, i, v):
+            out[i] = _f32_to_f16(v)
+
+        return store_f16
+    if dt == types.int16:
+
+        def store_bf16(out, i, v):
+            out[i] = _f32_to_bf16(v)
+
+        return store_bf16
+    if isinstance(dt, types.Float):
+
+        def store_float(out, i, v):
+            out[i] = v
+
+        return store_float
+    return None
+
+
+@njit
+def _uniform(key, index):
+    """u in [0, 1): splitmix64 of (key, index), top 24 bits (see reference.uniform)."""
+    z = key + (np.uint64(index) + np.uint64(1)) * _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    z = z ^ (z >> np.uint64(31))
+    return np.float32(z >> _U_SHIFT) * _U_SCALE
+
+
+# ---------------------------------------------------------------------------------------
+# encode. Loops run over slices from index 0 so LLVM sees non-negative indices (no
+# wrap-around code) and vectorizes them: min/max on integer keys, quantize, pack.
+
+
+@njit
+def _bucket_meta(xb, levels):
+    """(unit, min) of one bucket: min/max and the finiteness test in one vectorized pass.
+
+    Min and max run on integer keys (the float bits with the magnitude flipped for
+    negatives, ordered like the floats) because integer min/max vectorize without
+    fast-math, float compare-select reductions do not.
+    """
+    kmn = np.int32(0x7FFFFFFF)
+    kmx = np.int32(-0x80000000)
+    bad = np.int32(0)
+    for i in range(xb.shape[0]):
+        u = np.float32(_load(xb, i)).view(np.int32)
+        k = np.int32(u ^ ((u >> 31) & 0x7FFFFFFF))
+        kmn = min(kmn, k)
+        kmx = max(kmx, k)
+        bad |= np.int32((u & 0x7F800000) == 0x7F800000)  # NaN or Inf
+    # + 0 turns -0 into +0, so every backend agrees on the zero
+    mn = np.int32(kmn ^ ((kmn >> 31) & 0x7FFFFFFF)).view(np.float32) + _ZERO32
+    mx = np.int32(kmx ^ ((kmx >> 31) & 0x7FFFFFFF)).view(np.float32) + _ZERO32
+    unit = (mx - mn) / levels
+    if bad or unit - unit != _ZERO32:  # non-finite values or range overflow
+        return _NAN32, _NAN32
+    return unit, mn
+
+
+@njit
+def _quantize(xb, sc, unit, mn, levels, stochastic, key, base):
+    """Codes (uint8) of one bucket into ``sc``; ``base`` is the bucket's first index."""
+    n = xb.shape[0]
+    if not (unit > _ZERO32):  # constant (unit 0) or non-finite (NaN) bucket
+        for i in range(n):
+            sc[i] = 0
+    elif stochastic:
+        for i in range(n):
+            t = (_load(xb, i) - mn) / unit
+            f = np.floor(t)
+            if _uniform(key, base + i) < t - f:
+                f = f + np.float32(1.0)
+            f = levels if f > levels else f
+            sc[i] = np.uint8(f)
+    else:
+        for i in range(n):
+            c = np.floor((_load(xb, i) - mn) / unit + _HALF32)
+            c = levels if c > levels else c
+            sc[i] = np.uint8(c)
+
+
+@njit
+def _pack(sc, m, bits, cb):
+    """Bit-pack codes sc[:m] into cb (ceil(m*bits/8) bytes), little-endian stream."""
+    nfull = m // 8  # 8 codes fill exactly `bits` bytes
+    if bits == 8:
+        for i in range(8 * nfull):
+            cb[i] = sc[i]
+    elif bits == 4:
+        for i in range(4 * nfull):
+            cb[i] = np.uint8(sc[2 * i] | (sc[2 * i + 1] << 4))
+    elif bits == 2:
+        for i in range(2 * nfull):
+            cb[i] = np.uint8(
+                sc[4 * i] | (sc[4 * i + 1] << 2) | (sc[4 * i + 2] << 4) | (sc[4 * i + 3] << 6)
+            )
+    elif bits == 1:
+        for i in range(nfull):
+            v = np.uint32(0)
+            for j in range(8):
+                v |= np.uint32(sc[8 * i + j]) << np.uint32(j)
+            cb[i] = np.uint8(v)
+    else:
+        for g in range(nfull):
+            word = np.uint64(0)
+            for j in range(8):
+                word |= np.uint64(sc[8 * g + j]) << np.uint64(j * bits)
+            for q in range(bits):
+                cb[g * bits + q] = np.uint8((word >> np.uint64(8 * q)) & np.uint64(0xFF))
+    rest = m - 8 * nfull
+    if rest:
+        word = np.uint64(0)
+        for j in range(rest):
+            word |= np.uint64(sc[8 * nfull + j]) << np.uint64(j * bits)
+        for q in range((rest * bits + 7) // 8):
+            cb[nfull * bits + q] = np.uint8((word >> np.uint64(8 * q)) & np.uint64(0xFF))
+
+
+@njit
+def _encode_chunk(x, n, bits, bsize, k, stochastic, key, meta, codes, chunk, sc):
+    """Encode chunk ``chunk`` (k buckets, starting on a code byte) using scratch ``sc``.
+
+    Each bucket is reduced and quantized back to back while it is in L1; the chunk's
+    codes are then packed from the scratch (k*bsize bytes, also in L1).
+    """
+    levels = np.float32((1 << bits) - 1)
+    nbuckets = (n + bsize - 1) // bsize
+    b0 = chunk * k
+    b1 = min(b0 + k, nbuckets)
+    cs = b0 * bsize
+    ce = min(b1 * bsize, n)
+    for b in range(b0, b1):
+        s = b * bsize
+        e = min(s + bsize, n)
+        xb = x[s:e]
+        unit, mn = _bucket_meta(xb, levels)
+        meta[2 * b] = unit
+        meta[2 * b + 1] = mn
+        _quantize(xb, sc[s - cs : e - cs], unit, mn, levels, stochastic, key, s)
+    m = ce - cs
+    off = (cs // 8) * bits
+    _pack(sc, m, bits, codes[off : off + (m * bits + 7) // 8])
+
+
+@njit(parallel=True, cache=True)
+def _encode_parallel(x, n, bits, bsize, k, stochastic, key, meta, codes, nchunks, nblocks):
+    for blk in prange(nblocks):
+        sc = np.empty(k * bsize, dtype=np.uint8)  # per-thread scratch: the only allocation
+        for c in range(blk * nchunks // nblocks, (blk + 1) * nchunks // nblocks):
+            _encode_chunk(x, n, bits, bsize, k, stochastic, key, meta, codes, c, sc)
+
+
+@njit(cache=True)
+def _encode_serial(x, n, bits, bsize, k, stochastic, key, meta, codes, nchunks, nblocks):
+    sc = np.empty(k * bsize, dtype=np.uint8)
+    for c in range(nchunks):
+        _encode_chunk(x, n, bits, bsize, k, stochastic, key, meta, codes, c, sc)
+
+
+# ---------------------------------------------------------------------------------------
+# decode / decode_add
+
+
+@njit
+def _unpack(cb, m, bits, sc):
+    """Inverse of :func:`_pack`: codes of m values from cb into sc[:m]."""
+    nfull = m // 8
+    if bits == 8:
+        for i in range(8 * nfull):
+            sc[i] = cb[i]
+    elif bits == 4:
+        for i in range(4 * nfull):
+            v = cb[i]
+            sc[2 * i] = v & 0xF
+            sc[2 * i + 1] = v >> 4
+    elif bits == 2:
+        for i in range(2 * nfull):
+            v = cb[i]
+            sc[4 * i] = v & 3
+            sc[4 * i + 1] = (v >> 2) & 3
+            sc[4 * i + 2] = (v >> 4) & 3
+            sc[4 * i + 3] = v >> 6
+    elif bits == 1:
+        for i in range(nfull):
+            v = cb[i]
+            for j in range(8):
+                sc[8 * i + j] = (v >> j) & 1
+    else:
+        mask = np.uint64((1 << bits) - 1)
+        for g in range(nfull):
+            word = np.uint64(0)
+            for q in range(bits):
+                word |= np.uint64(cb[g * bits + q]) << np.uint64(8 * q)
+            for j in range(8):
+                sc[8 * g + j] = np.uint8((word >> np.uint64(j * bits)) & mask)
+    rest = m - 8 * nfull
+    if rest:
+        mask = np.uint64((1 << bits) - 1)
+        word = np.uint64(0)
+        for q in range((rest * bits + 7) // 8):
+            word |= np.uint64(cb[nfull * bits + q]) << np.uint64(8 * q)
+        for j in range(rest):
+            sc[8 * nfull + j] = np.uint8((word >> np.uint64(j * bits)) & mask)
+
+
+@njit
+def _dequantize(sc, ob, unit, mn, add):
+    """ob = mn + unit * code (add: ob += ...), float32 arithmetic, no FMA."""
+    if add:
+        for i in range(ob.shape[0]):
+            ob[i] += mn + unit * np.float32(sc[i])
+    else:
+        for i in range(ob.shape[0]):
+            _store(ob, i, mn + unit * np.float32(sc[i]))
+
+
+@njit
+def _decode_chunk(codes, meta, n, bits, bsize, k, out, add, chunk, sc):
+    nbuckets = (n + bsize - 1) // bsize
+    b0 = chunk * k
+    b1 = min(b0 + k, nbuckets)
+    cs = b0 * bsize
+    ce = min(b1 * bsize, n)
+    m = ce - cs
+    off = (cs // 8) * bits
+    _unpack(codes[off : off + (m * bits + 7) // 8], m, bits, sc)
+    for b in range(b0, b1):
+        s = b * bsize
+        e = min(s + bsize, n)
+        _dequantize(sc[s - cs : e - cs], out[s:e], meta[2 * b], meta[2 * b + 1], add)
+
+
+@njit(parallel=True, cache=True)
+def _decode_parallel(codes, meta, n, bits, bsize, k, out, add, nchunks, nblocks):
+    for blk in prange(nblocks):
+        sc = np.empty(k * bsize, dtype=np.uint8)
+        for c in range(blk * nchunks // nblocks, (blk + 1) * nchunks // nblocks):
+            _decode_chunk(codes, meta, n, bits, bsize, k, out, add, c, sc)
+
+
+@njit(cache=True)
+def _decode_serial(codes, meta, n, bits, bsize, k, out, add, nchunks, nblocks):
+    sc = np.empty(k * bsize, dtype=np.uint8)
+    for c in range(nchunks):
+        _decode_chunk(codes, meta, n, bits, bsize, k, out, add, c, sc)
+
+
+# ---------------------------------------------------------------------------------------
+# RAW (bits == 32) conversions
+
+#: Values per parallel iteration of the RAW conversion loops.
+_RAW_BLOCK = 1 << 14
+
+
+@njit
+def _convert(src, out, add):
+    if add:
+        for i in range(src.shape[0]):
+            out[i] += _load(src, i)
+    else:
+        for i in range(src.shape[0]):
+            _store(out, i, _load(src, i))
+
+
+@njit(parallel=True, cache=True)
+def _convert_parallel(src, out, add):
+    n = src.shape[0]
+    for blk in prange((n + _RAW_BLOCK - 1) // _RAW_BLOCK):
+        s = blk * _RAW_BLOCK
+        e = min(s + _RAW_BLOCK, n)
+        _convert(src[s:e], out[s:e], add)
+
+
+@njit(cache=True)
+def _convert_serial(src, out, add):
+    _convert(src, out, add)
+
+
+# ---------------------------------------------------------------------------------------
+# backend interface (validated arguments only; see codec.py)
+
+
+def _kernel_view(a: np.ndarray) -> np.ndarray | None:
+    """``a`` as the array type the kernels take (bits of half types), None if unsupported."""
+    dt = a.dtype
+    if dt == np.float32 or dt == np.float64:
+        return a
+    if dt == np.float16:
+        return a.view(np.uint16)
+    if dt == BFLOAT16:
+        return a.view(np.int16)
+    return None
+
+
+def _chunking(hdr: CodecHeader) -> tuple[int, int]:
+    """(buckets per chunk, number of chunks): chunks start on whole code bytes."""
+    k = 8 // int(np.gcd(hdr.bucket_size, 8))
+    return k, -(-hdr.nbuckets // k)
+
+
+def _nblocks(nchunks: int) -> int:
+    """Parallel blocks: one per Numba thread (each allocates one chunk of scratch)."""
+    return max(1, min(nchunks, numba.get_num_threads()))
+
+
+def _meta_codes(buf: np.ndarray, hdr: CodecHeader) -> tuple[np.ndarray, np.ndarray]:
+    return buf[HEADER_NBYTES : hdr.codes_offset].view(np.float32), buf[hdr.codes_offset :]
+
+
+def encode_into(x: np.ndarray, hdr: CodecHeader, seed: int, buf: np.ndarray) -> None:
+    buf[:HEADER_NBYTES] = np.frombuffer(hdr.pack(), dtype=np.uint8)
+    n = hdr.numel
+    if hdr.raw:
+        if n:
+            buf[HEADER_NBYTES:] = x.view(np.uint8)
+        return
+    if n == 0:
+        return
+    meta, codes = _meta_codes(buf, hdr)
+    k, nchunks = _chunking(hdr)
+    key = np.uint64(seed_key(seed))
+    kernel = _encode_parallel if n >= PARALLEL_MIN_NUMEL else _encode_serial
+    kernel(_kernel_view(x), n, hdr.bits, hdr.bucket_size, k, hdr.stochastic, key, meta, codes,
+           nchunks, _nblocks(nchunks))  # fmt: skip
+
+
+def _decode(buf: np.ndarray, hdr: CodecHeader, out: np.ndarray, add: bool) -> None:
+    n = hdr.numel
+    parallel = n >= PARALLEL_MIN_NUMEL
+    target = _kernel_view(out)
+    if target is None:  # an exotic float dtype (longdouble): decode to float32, then cast
+        tmp = np.empty(n, dtype=np.float32)
+        _decode(buf, hdr, tmp, add=False)
+        out[...] = tmp
+        return
+    if hdr.raw:
+        src = buf[HEADER_NBYTES:].view(hdr.dtype)
+        if not add and src.dtype == out.dtype:
+            out[...] = src
+            return
+        (_convert_parallel if parallel else _convert_serial)(_kernel_view(src), target, add)
+        return
+    meta, codes = _meta_codes(buf, hdr)
+    k, nchunks = _chunking(hdr)
+    kernel = _decode_parallel if parallel else _decode_serial
+    kernel(codes, meta, n, hdr.bits, hdr.bucket_size, k, target, add, nchunks, _nblocks(nchunks))
+
+
+def decode_into(buf: np.ndarray, hdr: CodecHeader, out: np.ndarray) -> None:
+    _decode(buf, hdr, out, add=False)
+
+
+def decode_add_into(buf: np.ndarray, hdr: CodecHeader, acc: np.ndarray) -> None:
+    _decode(buf, hdr, acc, add=True)
+
+
+def num_threads() -> int:
+    """Threads the parallel kernels use (Numba's, e.g. NUMBA_NUM_THREADS)."""
+    return int(numba.get_num_threads())
