@@ -264,16 +264,16 @@ def _encode_chunk(x, n, bits, bsize, k, stochastic, key, meta, codes, chunk, sc)
 
 
 @njit(parallel=True, cache=True)
-def _encode_parallel(x, n, bits, bsize, k, stochastic, key, meta, codes, nchunks, nblocks):
+def _encode_parallel(x, n, bits, bsize, k, stochastic, key, meta, codes, nchunks, nblocks, nsc):
     for blk in prange(nblocks):
-        sc = np.empty(k * bsize, dtype=np.uint8)  # per-thread scratch: the only allocation
+        sc = np.empty(nsc, dtype=np.uint8)  # per-thread scratch: the only allocation
         for c in range(blk * nchunks // nblocks, (blk + 1) * nchunks // nblocks):
             _encode_chunk(x, n, bits, bsize, k, stochastic, key, meta, codes, c, sc)
 
 
 @njit(cache=True)
-def _encode_serial(x, n, bits, bsize, k, stochastic, key, meta, codes, nchunks, nblocks):
-    sc = np.empty(k * bsize, dtype=np.uint8)
+def _encode_serial(x, n, bits, bsize, k, stochastic, key, meta, codes, nchunks, nblocks, nsc):
+    sc = np.empty(nsc, dtype=np.uint8)
     for c in range(nchunks):
         _encode_chunk(x, n, bits, bsize, k, stochastic, key, meta, codes, c, sc)
 
@@ -352,16 +352,16 @@ def _decode_chunk(codes, meta, n, bits, bsize, k, out, add, chunk, sc):
 
 
 @njit(parallel=True, cache=True)
-def _decode_parallel(codes, meta, n, bits, bsize, k, out, add, nchunks, nblocks):
+def _decode_parallel(codes, meta, n, bits, bsize, k, out, add, nchunks, nblocks, nsc):
     for blk in prange(nblocks):
-        sc = np.empty(k * bsize, dtype=np.uint8)
+        sc = np.empty(nsc, dtype=np.uint8)
         for c in range(blk * nchunks // nblocks, (blk + 1) * nchunks // nblocks):
             _decode_chunk(codes, meta, n, bits, bsize, k, out, add, c, sc)
 
 
 @njit(cache=True)
-def _decode_serial(codes, meta, n, bits, bsize, k, out, add, nchunks, nblocks):
-    sc = np.empty(k * bsize, dtype=np.uint8)
+def _decode_serial(codes, meta, n, bits, bsize, k, out, add, nchunks, nblocks, nsc):
+    sc = np.empty(nsc, dtype=np.uint8)
     for c in range(nchunks):
         _decode_chunk(codes, meta, n, bits, bsize, k, out, add, c, sc)
 
@@ -442,7 +442,7 @@ def encode_into(x: np.ndarray, hdr: CodecHeader, seed: int, buf: np.ndarray) -> 
     key = np.uint64(seed_key(seed))
     kernel = _encode_parallel if n >= PARALLEL_MIN_NUMEL else _encode_serial
     kernel(_kernel_view(x), n, hdr.bits, hdr.bucket_size, k, hdr.stochastic, key, meta, codes,
-           nchunks, _nblocks(nchunks))  # fmt: skip
+           nchunks, _nblocks(nchunks), min(k * hdr.bucket_size, n))  # fmt: skip
 
 
 def _decode(buf: np.ndarray, hdr: CodecHeader, out: np.ndarray, add: bool) -> None:
@@ -464,7 +464,9 @@ def _decode(buf: np.ndarray, hdr: CodecHeader, out: np.ndarray, add: bool) -> No
     meta, codes = _meta_codes(buf, hdr)
     k, nchunks = _chunking(hdr)
     kernel = _decode_parallel if parallel else _decode_serial
-    kernel(codes, meta, n, hdr.bits, hdr.bucket_size, k, target, add, nchunks, _nblocks(nchunks))
+    nsc = min(k * hdr.bucket_size, n)  # scratch: one chunk of codes, never more than numel
+    kernel(codes, meta, n, hdr.bits, hdr.bucket_size, k, target, add, nchunks, _nblocks(nchunks),
+           nsc)  # fmt: skip
 
 
 def decode_into(buf: np.ndarray, hdr: CodecHeader, out: np.ndarray) -> None:

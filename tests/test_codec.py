@@ -1,0 +1,503 @@
+"""The quantization codec on the host: error bounds, exact cases, wire format, Numba vs NumPy.
+
+Error bounds checked per element (unit = the bucket's stored float32 unit):
+
+- round to nearest: ``|x - decode| <= unit/2 + slack``;
+- stochastic: ``|x - decode| < unit + slack``;
+
+``slack = unit * levels * 2**-20 + (|min| + |max|) * 2**-21 + 2**-140``: the float32 roundings
+of ``x - min``, of the division, of ``unit`` itself (scaled by up to ``levels`` codes) and of
+``min + unit * code`` (relative 2**-24 each, taken with a 4x-16x margin), plus an absolute
+term for subnormal ranges.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cgx_ucx.compression import (
+    HEADER_NBYTES,
+    CodecHeader,
+    ErrorFeedback,
+    backend_name,
+    cpu,
+    decode,
+    decode_add,
+    encode,
+    encoded_nbytes,
+    read_header,
+    reference,
+)
+from cgx_ucx.errors import CodecError, ConfigError
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = [np.dtype(np.float32), np.dtype(np.float16), BF16]
+BITS = [1, 2, 3, 4, 5, 6, 7, 8]
+SETTINGS = settings(
+    max_examples=60,
+    deadline=None,  # the first example compiles Numba kernels
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+class Backend:
+    """The public codec (Numba) or the NumPy reference, with the same three calls."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        mod = reference if name == "numpy" else sys.modules["cgx_ucx.compression"]
+        self.encode, self.decode, self.decode_add = mod.encode, mod.decode, mod.decode_add
+
+
+@pytest.fixture(params=["numba", "numpy"])
+def be(request: pytest.FixtureRequest) -> Backend:
+    return Backend(request.param)
+
+
+def make_values(seed: int, n: int, dtype: np.dtype, kind: str) -> np.ndarray:
+    """Test data of several shapes: wide/narrow scales, offsets, repeats."""
+    rng = np.random.default_rng(seed)
+    lo, hi = (-3, 3) if dtype == np.float16 else (-20, 20)
+    scale = 10.0 ** rng.uniform(lo, hi)
+    if kind == "normal":
+        x = rng.standard_normal(n) * scale
+    elif kind == "offset":  # large offset, small spread: precision of min + unit * code
+        x = scale + rng.standard_normal(n) * scale * 1e-3
+    elif kind == "levels":  # few distinct values, constant runs
+        x = rng.integers(-3, 4, n) * scale
+    else:  # heavy tails
+        x = rng.standard_cauchy(n) * scale
+    return x.astype(dtype)
+
+
+def bucket_stats(x32: np.ndarray, bucket: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per element: the float32 unit and the slack of the bound (see module docstring)."""
+    starts = np.arange(0, x32.size, bucket)
+    mn = np.minimum.reduceat(x32, starts)
+    mx = np.maximum.reduceat(x32, starts)
+    levels = (1 << bits) - 1
+    unit = ((mx - mn) / np.float32(levels)).astype(np.float64)
+    slack = (
+        unit * levels * 2.0**-20
+        + (np.abs(mn.astype(np.float64)) + np.abs(mx.astype(np.float64))) * 2.0**-21
+        + 2.0**-140
+    )
+    return np.repeat(unit, bucket)[: x32.size], np.repeat(slack, bucket)[: x32.size]
+
+
+def as32(buf: np.ndarray) -> np.ndarray:
+    return decode(buf, out=np.empty(read_header(buf).numel, np.float32))
+
+
+cases = st.tuples(
+    st.integers(0, 2**32 - 1),  # data seed
+    st.integers(0, 2100),  # numel
+    st.sampled_from(BITS),
+    st.sampled_from([1, 3, 7, 8, 12, 100, 256, 1024]),  # bucket size, several not % 8
+    st.sampled_from(DTYPES),
+    st.sampled_from(["normal", "offset", "levels", "cauchy"]),
+)
+
+
+# ---------------------------------------------------------------------------------------
+# error bounds
+
+
+@pytest.mark.timeout(120)
+@SETTINGS
+@given(case=cases)
+def test_round_to_nearest_error_at_most_half_a_unit(case: tuple) -> None:
+    seed, n, bits, bucket, dtype, kind = case
+    x = make_values(seed, n, dtype, kind)
+    buf = encode(x, bits, bucket)
+    x32 = x.astype(np.float32).astype(np.float64)
+    if n == 0:
+        assert decode(buf).size == 0
+        return
+    unit, slack = bucket_stats(x.astype(np.float32), bucket, bits)
+    err = np.abs(as32(buf).astype(np.float64) - x32)
+    assert np.all(err <= unit / 2 + slack), (err - unit / 2 - slack).max()
+
+
+@pytest.mark.timeout(120)
+@SETTINGS
+@given(case=cases, rseed=st.integers(0, 2**64 - 1))
+def test_stochastic_error_below_one_unit(case: tuple, rseed: int) -> None:
+    seed, n, bits, bucket, dtype, kind = case
+    x = make_values(seed, n, dtype, kind)
+    buf = encode(x, bits, bucket, stochastic=True, seed=rseed)
+    assert read_header(buf).stochastic == (n >= 0)
+    if n == 0:
+        return
+    unit, slack = bucket_stats(x.astype(np.float32), bucket, bits)
+    err = np.abs(as32(buf).astype(np.float64) - x.astype(np.float32).astype(np.float64))
+    assert np.all(err < unit + slack)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_stochastic_rounding_is_unbiased(bits: int) -> None:
+    # One bucket whose min and max are fixed, so (unit, min) are the same for every seed.
+    # Per element the decoded value is min + unit*(floor(t) + Bernoulli(frac(t))): over S
+    # seeds its mean error has standard deviation <= unit/(2 sqrt(S)). We require every one
+    # of the 512 means within 6 of those (a false alarm has probability < 1e-6) and the
+    # grand mean within 6 / sqrt(512) of it.
+    n, seeds = 512, 2000
+    rng = np.random.default_rng(bits)
+    x = rng.uniform(-1.0, 1.0, n).astype(np.float32)
+    x[0], x[1] = -1.0, 1.0
+    acc = np.zeros(n, np.float64)
+    out = np.empty(encoded_nbytes(n, bits, n), np.uint8)
+    dec = np.empty(n, np.float32)
+    for s in range(seeds):
+        decode(encode(x, bits, n, out=out, stochastic=True, seed=s), out=dec)
+        acc += dec
+    unit = float(np.frombuffer(out[HEADER_NBYTES : HEADER_NBYTES + 4], np.float32)[0])
+    mean_err = acc / seeds - x
+    sigma = unit / (2 * np.sqrt(seeds))
+    assert np.all(np.abs(mean_err) <= 6 * sigma), np.abs(mean_err).max() / sigma
+    assert abs(mean_err.mean()) <= 6 * sigma / np.sqrt(n)
+    # and it is not round-to-nearest in disguise: RTN's error on this data is biased
+    rtn_err = as32(encode(x, bits, n)) - x
+    assert np.abs(rtn_err).max() > 6 * sigma
+
+
+def test_stochastic_is_reproducible_and_seeded() -> None:
+    x = np.random.default_rng(0).standard_normal(5000).astype(np.float32)
+    a = encode(x, 3, 100, stochastic=True, seed=42)
+    assert np.array_equal(a, encode(x, 3, 100, stochastic=True, seed=42))
+    assert not np.array_equal(a, encode(x, 3, 100, stochastic=True, seed=43))
+    assert not np.array_equal(a, encode(x, 3, 100))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", BITS)
+def test_constant_buckets_decode_exactly(dtype: np.dtype, bits: int) -> None:
+    rng = np.random.default_rng(bits)
+    bucket = 37
+    consts = rng.standard_normal(9).astype(dtype)
+    consts[3] = 0
+    x = np.repeat(consts, bucket)[: 9 * bucket - 5]
+    for st_ in (False, True):
+        y = decode(encode(x, bits, bucket, stochastic=st_, seed=1))
+        assert y.dtype == dtype
+        assert np.array_equal(y, x)
+
+
+# ---------------------------------------------------------------------------------------
+# sizes, bit widths, dtypes, RAW
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [0, 1, 7, 9, 255, 256, 257, 1000])
+@pytest.mark.parametrize("bits", [*BITS, 32])
+def test_sizes_bits_dtypes(be: Backend, dtype: np.dtype, n: int, bits: int) -> None:
+    bucket = 256
+    x = make_values(n + bits, n, dtype, "normal")
+    buf = be.encode(x, bits, bucket)
+    assert buf.dtype == np.uint8 and buf.shape == (encoded_nbytes(n, bits, bucket, dtype),)
+    hdr = read_header(buf)
+    assert hdr == CodecHeader(bits, bucket, n, dtype, False)
+    y = be.decode(buf)
+    assert y.dtype == dtype and y.shape == (n,)
+    if bits == 32:
+        assert np.array_equal(y.view(np.uint8), x.view(np.uint8))
+    elif n:
+        unit, slack = bucket_stats(x.astype(np.float32), bucket, bits)
+        err = np.abs(as32(buf).astype(np.float64) - x.astype(np.float64))
+        assert np.all(err <= unit / 2 + slack)
+    acc = np.arange(n, dtype=np.float32)
+    assert be.decode_add(buf, acc) is acc
+    assert np.array_equal(acc, np.arange(n, dtype=np.float32) + as32(buf))
+
+
+def test_encoded_nbytes_formula() -> None:
+    assert HEADER_NBYTES == 24
+    assert encoded_nbytes(0, 4, 1024) == 24
+    assert encoded_nbytes(1, 4, 1024) == 24 + 8 + 1
+    assert encoded_nbytes(1025, 4, 1024) == 24 + 16 + 513
+    assert encoded_nbytes(10, 3, 4) == 24 + 3 * 8 + 4  # 30 bits -> 4 bytes
+    assert encoded_nbytes(10, 32, 4) == 24 + 40
+    assert encoded_nbytes(10, 32, 4, np.float16) == 24 + 20
+    assert encoded_nbytes(10, 32, 4, BF16) == 24 + 20
+    # CGX's 4 bits with B = 1024 costs 4.0625 bits per value
+    assert encoded_nbytes(1 << 20, 4, 1024) == 24 + 8 * 1024 + (1 << 19)
+
+
+def test_bit_layout_is_little_endian_stream() -> None:
+    # bucket 0..7 -> codes 0..7 with unit 1: 3-bit stream 000 100 010 110 ... LSB first
+    x = np.arange(8, dtype=np.float32)
+    buf = encode(x, 3, 8)
+    meta = np.frombuffer(buf[24:32].tobytes(), np.float32)
+    assert meta.tolist() == [1.0, 0.0]
+    stream = sum(int(c) << (3 * i) for i, c in enumerate(range(8)))
+    assert buf[32:].tobytes() == stream.to_bytes(3, "little")
+
+
+def test_header_layout() -> None:
+    buf = encode(np.ones(5, np.float16), 6, 3, stochastic=True, seed=9)
+    assert buf[:4].tobytes() == b"CGXQ"
+    assert buf[4:8].tolist() == [1, 6, 1, 1]  # version, bits, dtype float16, stochastic
+    assert int.from_bytes(buf[8:12].tobytes(), "little") == 3
+    assert int.from_bytes(buf[12:20].tobytes(), "little") == 5
+    assert buf[20:24].tolist() == [0, 0, 0, 0]
+
+
+# ---------------------------------------------------------------------------------------
+# Numba bytes == NumPy reference bytes
+
+
+@pytest.mark.timeout(120)
+@SETTINGS
+@given(case=cases, stochastic=st.booleans(), rseed=st.integers(0, 2**64 - 1))
+def test_numba_matches_reference_bytes(case: tuple, stochastic: bool, rseed: int) -> None:
+    seed, n, bits, bucket, dtype, kind = case
+    x = make_values(seed, n, dtype, kind)
+    if n > 3:
+        x[seed % n] = [np.nan, np.inf, -np.inf, 0.0][seed % 4]
+    a = encode(x, bits, bucket, stochastic=stochastic, seed=rseed)
+    b = reference.encode(x, bits, bucket, stochastic=stochastic, seed=rseed)
+    assert np.array_equal(a, b)
+    for out_dtype in (np.float32, dtype):
+        ya = decode(a, out=np.empty(n, out_dtype))
+        yb = reference.decode(a, out=np.empty(n, out_dtype))
+        assert np.array_equal(ya.view(np.uint8), yb.view(np.uint8))
+    acc_a = np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+    acc_b = acc_a.copy()
+    decode_add(a, acc_a)
+    reference.decode_add(a, acc_b)
+    assert np.array_equal(acc_a.view(np.uint32), acc_b.view(np.uint32))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16])
+def test_parallel_kernels_match_reference(dtype: np.dtype) -> None:
+    n = cpu.PARALLEL_MIN_NUMEL * 3 + 5
+    x = make_values(7, n, dtype, "normal")
+    for bits, bucket, stochastic in [(4, 1024, False), (3, 1000, True)]:
+        a = encode(x, bits, bucket, stochastic=stochastic, seed=3)
+        assert np.array_equal(a, reference.encode(x, bits, bucket, stochastic=stochastic, seed=3))
+        assert np.array_equal(decode(a).view(np.uint8), reference.decode(a).view(np.uint8))
+        acc = np.ones(n, np.float32)
+        decode_add(a, acc)
+        assert np.array_equal(acc, np.float32(1) + reference.decode(a, out=np.empty(n, np.float32)))
+
+
+def test_decode_into_other_float_dtypes(be: Backend) -> None:
+    x = make_values(1, 3000, np.dtype(np.float32), "normal")
+    for bits in (4, 32):
+        buf = be.encode(x, bits, 128)
+        y32 = be.decode(buf)
+        for dt in (np.float16, BF16, np.float64):
+            y = be.decode(buf, out=np.empty(3000, dt))
+            assert np.array_equal(y, y32.astype(dt))
+
+
+# ---------------------------------------------------------------------------------------
+# non-finite values
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nonfinite_bucket_decodes_nonfinite_only_there(
+    be: Backend, bad: float, dtype: np.dtype
+) -> None:
+    bucket, n = 64, 64 * 5 + 11
+    x = make_values(3, n, dtype, "normal")
+    x[2 * bucket + 17] = bad
+    x[n - 2] = bad  # in the short last bucket
+    for bits in (1, 4, 7):
+        for st_ in (False, True):
+            y = be.decode(be.encode(x, bits, bucket, stochastic=st_, seed=5))
+            finite = np.isfinite(y.astype(np.float32))
+            expect = np.ones(n, bool)
+            expect[2 * bucket : 3 * bucket] = False
+            expect[5 * bucket :] = False
+            assert np.array_equal(finite, expect)
+            acc = np.zeros(n, np.float32)
+            be.decode_add(be.encode(x, bits, bucket), acc)
+            assert np.array_equal(np.isfinite(acc), expect)
+
+
+def test_range_overflow_bucket_is_nonfinite(be: Backend) -> None:
+    # max - min beyond float32's range cannot give a finite unit: treated as overflow
+    x = np.array([-3e38, 3e38, 1.0, 2.0], np.float32)
+    y = be.decode(be.encode(x, 4, 2))
+    assert np.isnan(y[:2]).all() and np.isfinite(y[2:]).all()
+
+
+# ---------------------------------------------------------------------------------------
+# buffers: out=, no allocation, validation
+
+
+def test_out_buffers_are_reused_not_allocated() -> None:
+    x = make_values(0, 5000, np.dtype(np.float32), "normal")
+    need = encoded_nbytes(5000, 4, 512)
+    out = np.zeros(need + 100, np.uint8)
+    buf = encode(x, 4, 512, out=out)
+    assert buf.shape == (need,) and np.shares_memory(buf, out)
+    assert buf.ctypes.data == out.ctypes.data
+    assert np.all(out[need:] == 0)
+    dec = np.empty(5000, np.float32)
+    assert decode(buf, out=dec) is dec
+    acc = np.zeros(5000, np.float32)
+    assert decode_add(buf, acc) is acc
+    assert np.array_equal(acc, dec)
+    # RAW into out, too
+    raw = encode(x, 32, 512, out=np.empty(encoded_nbytes(5000, 32, 512), np.uint8))
+    assert np.array_equal(decode(raw), x)
+
+
+def test_decode_accepts_bytes_like() -> None:
+    x = np.linspace(-1, 1, 100, dtype=np.float32)
+    buf = encode(x, 8, 16)
+    for form in (buf.tobytes(), bytearray(buf.tobytes()), memoryview(buf.tobytes())):
+        assert np.array_equal(decode(form), decode(buf))
+
+
+def test_backend_name() -> None:
+    assert backend_name(np.zeros(3, np.float32)) == "numba"
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"bits": 0}, {"bits": 9}, {"bits": 16}, {"bits": 4.0}, {"bits": True}, {"bucket_size": 0},
+     {"bucket_size": 2**32}, {"seed": -1}, {"seed": 2**64}],
+)  # fmt: skip
+def test_bad_configuration_raises_config_error(kwargs: dict) -> None:
+    args = {"bits": 4, "bucket_size": 16} | kwargs
+    with pytest.raises(ConfigError):
+        encode(np.ones(10, np.float32), args.pop("bits"), args.pop("bucket_size"), **args)
+
+
+@pytest.mark.parametrize(
+    "x",
+    [np.ones((2, 3), np.float32), np.ones(10, np.float64), np.ones(10, np.int32),
+     np.ones(20, np.float32)[::2], [1.0, 2.0]],
+)  # fmt: skip
+def test_bad_values_raise_codec_error(x: object) -> None:
+    with pytest.raises(CodecError):
+        encode(x, 4)
+
+
+def test_bad_out_and_acc_raise_codec_error() -> None:
+    x = np.ones(100, np.float32)
+    need = encoded_nbytes(100, 4, 16)
+    for out in (
+        np.empty(need - 1, np.uint8),
+        np.empty(need, np.int8),
+        np.empty((need, 1), np.uint8),
+    ):
+        with pytest.raises(CodecError):
+            encode(x, 4, 16, out=out)
+    buf = encode(x, 4, 16)
+    for out in (np.empty(99, np.float32), np.empty(100, np.int32), np.empty(101, np.float32)):
+        with pytest.raises(CodecError):
+            decode(buf, out=out)
+    for acc in (np.zeros(100, np.float64), np.zeros(100, np.float16), np.zeros(99, np.float32)):
+        with pytest.raises(CodecError):
+            decode_add(buf, acc)
+    ro = np.zeros(100, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(CodecError):
+        decode_add(buf, ro)
+
+
+# ---------------------------------------------------------------------------------------
+# conversions of the Numba kernels (all float16 and bfloat16 bit patterns)
+
+
+def test_half_to_float_all_patterns() -> None:
+    for dt in (np.dtype(np.float16), BF16):
+        bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+        vals = bits.view(dt)
+        buf = encode(vals, 32, 1)
+        got = decode(buf, out=np.empty(65536, np.float32))
+        want = vals.astype(np.float32)
+        nan = np.isnan(want)
+        assert np.array_equal(np.isnan(got), nan)
+        assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+
+
+def test_float_to_half_rounds_like_numpy() -> None:
+    rng = np.random.default_rng(0)
+    f = rng.integers(0, 2**32, 1 << 18, dtype=np.uint64).astype(np.uint32)
+    # plus ties, boundaries, subnormals, overflow thresholds
+    edges = [0x00000000, 0x80000000, 0x33000000, 0x33000001, 0x387FC000, 0x38800000, 0x477FEFFF,
+             0x477FF000, 0x47800000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x3F801000, 0x3F803000,
+             0x3F808000, 0x3F818000, 0x7F7FFFFF]  # fmt: skip
+    vals = np.concatenate([f, np.array(edges, np.uint32)]).view(np.float32)
+    buf = encode(vals, 32, 1)
+    for dt in (np.dtype(np.float16), BF16):
+        with np.errstate(over="ignore", invalid="ignore"):
+            want = vals.astype(dt)
+        got = decode(buf, out=np.empty(vals.size, dt))
+        nan = np.isnan(want.astype(np.float32))
+        assert np.array_equal(np.isnan(got.astype(np.float32)), nan)
+        assert np.array_equal(got[~nan].view(np.uint16), want[~nan].view(np.uint16))
+
+
+# ---------------------------------------------------------------------------------------
+# error feedback
+
+
+def test_error_feedback_residual_and_telescoping_sum() -> None:
+    ef = ErrorFeedback()
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal(1000).astype(np.float32) for _ in range(5)]
+    sent = np.zeros(1000, np.float64)
+    for t, x in enumerate(xs):
+        before = ef.residual("w")
+        comp = x + (0 if before is None else before)
+        buf = ef.encode("w", x, 2, 128, seed=t)
+        dec = decode(buf)
+        assert np.array_equal(decode(encode(comp, 2, 128)), dec)
+        np.testing.assert_array_equal(ef.residual("w"), comp - dec)
+        sent += dec
+    # what was sent plus what is still owed equals what was given (up to float32 rounding)
+    total = np.sum(xs, axis=0, dtype=np.float64)
+    np.testing.assert_allclose(sent + ef.residual("w"), total, atol=1e-4)
+
+
+def test_error_feedback_compensate_update_state_dict() -> None:
+    ef = ErrorFeedback()
+    x = np.linspace(-1, 1, 64, dtype=np.float32)
+    assert np.array_equal(ef.compensate("a", x), x) and "a" not in ef
+    dec = decode(encode(x, 1, 64))
+    ef.update("a", x, dec)
+    assert np.array_equal(ef.residual("a"), x - dec)
+    np.testing.assert_array_equal(ef.compensate("a", x), x + (x - dec))
+    y = x.copy()
+    assert ef.compensate("a", y, out=y) is y  # in place
+    state = ef.state_dict()
+    ef2 = ErrorFeedback()
+    ef2.load_state_dict(state)
+    assert np.array_equal(ef2.residual("a"), ef.residual("a")) and len(ef2) == 1
+    with pytest.raises(CodecError):
+        ef.compensate("a", np.ones(65, np.float32))
+    ef.reset("a")
+    assert "a" not in ef
+    xh = x.astype(np.float16)
+    assert ef.compensate("h", xh).dtype == np.float32
+
+
+# ---------------------------------------------------------------------------------------
+# import hygiene
+
+
+def test_import_needs_neither_numba_nor_cupy() -> None:
+    code = (
+        "import sys, cgx_ucx, cgx_ucx.compression, numpy as np\n"
+        "from cgx_ucx.compression import reference\n"
+        "reference.encode(np.ones(4, np.float32), 4)\n"
+        "bad = [m for m in ('numba', 'cupy') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
