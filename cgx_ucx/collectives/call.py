@@ -1,0 +1,198 @@
+"""One collective call in flight: its sequence number, signature, abort future, staging.
+
+Every collective starts the same way (so ranks that disagree on *which* collective or
+algorithm still meet): each rank sends every peer a frame tagged (seq, phase 1, slot 0)
+carrying its signature. For SRA allreduce that frame heads the first scatter piece; for
+everything else it is a bare SIG frame. A receiver compares the signature with its own
+before it posts any receive into caller memory; a different signature is a
+:class:`~cgx_ucx.errors.CollectiveMismatchError` on every rank (each rank sees every
+peer's signature), after draining what the peer announced, so no send is left hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import CGXError, CollectiveMismatchError, ProtocolError
+from ..transport.frames import Algo, Coll, Frame, Kind, Op, dtype_from_code
+from ..transport.mesh import MAX_SLOTS
+
+if TYPE_CHECKING:
+    from .communicator import Communicator
+
+__all__ = ["PH_DATA", "PH_GATHER", "PH_SIG", "Call", "gather_or_cancel"]
+
+#: Phase 1: signatures (and, for SRA, the scatter pieces).
+PH_SIG = 1
+#: Phase 2: SRA allgather of reduced chunks, ring reduce-scatter, broadcast/allgather data.
+PH_DATA = 2
+#: Phase 3: ring allgather.
+PH_GATHER = 3
+
+
+async def gather_or_cancel(aws: Iterable[Awaitable[Any]]) -> list[Any]:
+    """Like asyncio.gather, but the first failure cancels (and awaits) the others."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    if not tasks:
+        return []
+    try:
+        _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    except asyncio.CancelledError:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
+    if failed:
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        raise failed[0].exception()  # type: ignore[misc]
+    return [t.result() for t in tasks]
+
+
+def describe(frame: Frame) -> str:
+    """Human-readable signature, for mismatch messages."""
+    coll = (
+        Coll(frame.collective).name.lower()
+        if frame.collective in Coll._value2member_map_
+        else frame.collective
+    )
+    parts = [f"{coll}(numel={frame.numel}"]
+    dt = dtype_from_code(frame.dtype)
+    parts.append(f"dtype={dt if dt is not None else frame.dtype}")
+    if frame.collective == Coll.ALLREDUCE:
+        op = (
+            Op(frame.reduce_op).name.lower()
+            if frame.reduce_op in Op._value2member_map_
+            else frame.reduce_op
+        )
+        algo = (
+            Algo(frame.algorithm).name.lower()
+            if frame.algorithm in Algo._value2member_map_
+            else frame.algorithm
+        )
+        bits = "mixed" if frame.bits == 255 else frame.bits
+        parts += [f"op={op}", f"bits={bits}", f"algorithm={algo}", f"layout={frame.digest:#018x}"]
+        if frame.flags & 1:
+            parts.append("stochastic")
+    elif frame.collective == Coll.BROADCAST:
+        parts.append(f"root={frame.digest}")
+    return ", ".join(parts) + ")"
+
+
+class Call:
+    """State of one collective on this rank."""
+
+    def __init__(self, comm: Communicator, seq: int, name: str) -> None:
+        self.comm = comm
+        self.mesh = comm._mesh
+        self.seq = seq
+        self.name = name
+        loop = asyncio.get_running_loop()
+        self.abort: asyncio.Future = loop.create_future()
+        self.abort.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self.extra = (self.abort,)
+        self.template: Frame | None = None
+        self._taken: list[Any] = []
+
+    # -- staging ----------------------------------------------------------------------
+    def take(self, nbytes: int, like: Any) -> Any:
+        buf = self.comm._pool.take(nbytes, like)
+        self._taken.append(buf)
+        return buf
+
+    def give_back_all(self) -> None:
+        """Return staging to the pool (only after success: UCX may still own it otherwise)."""
+        for buf in self._taken:
+            self.comm._pool.give(buf)
+        self._taken.clear()
+
+    # -- frames -----------------------------------------------------------------------
+    def frame(
+        self, phase: int, slot: int, payload: int, count: int, kind: Kind = Kind.DATA
+    ) -> Frame:
+        assert self.template is not None
+        return self.template.with_(kind=kind, phase=phase, slot=slot, payload=payload, count=count)
+
+    def fail(self, exc: CGXError) -> None:
+        if not self.abort.done():
+            self.abort.set_exception(exc)
+
+    async def send(self, peer: int, phase: int, slot: int, payload: Any, count: int) -> None:
+        nbytes = 0 if payload is None else int(payload.nbytes)
+        await self.mesh.send_frame(
+            peer, self.frame(phase, slot, nbytes, count), payload if nbytes else None, self.extra
+        )
+
+    async def recv_header(self, peer: int, phase: int, slot: int, first: bool = False) -> Frame:
+        """Receive the header of (phase, slot) from ``peer``; later ones must match exactly."""
+        frame = await self.mesh.recv_frame(peer, self.seq, phase, slot, self.extra)
+        assert self.template is not None
+        if not first and frame.signature != self.template.signature:
+            err = ProtocolError(
+                f"rank {peer} changed the signature of collective #{self.seq} mid-way"
+            )
+            self.mesh.lose(peer, err)
+            raise err
+        return frame
+
+    async def recv_payload(self, peer: int, frame: Frame, buf: Any) -> None:
+        from .arrays import byte_view
+
+        await self.mesh.recv_payload(peer, frame, byte_view(buf), self.extra)
+
+    def mismatch(self, peer: int, frame: Frame) -> str:
+        assert self.template is not None
+        return (
+            f"rank {peer} called {describe(frame)} while rank {self.mesh.rank} called "
+            f"{describe(self.template)}"
+        )
+
+    async def drain(self, peer: int, first: Frame, phase: int) -> None:
+        """Receive and discard everything ``peer`` announced for ``phase`` (after a mismatch)."""
+        if first.count > MAX_SLOTS:
+            raise ProtocolError(f"rank {peer} announced {first.count} pieces")
+        frame = first
+        for slot in range(max(first.count, 1)):
+            if slot:
+                frame = await self.mesh.recv_frame(peer, self.seq, phase, slot, self.extra)
+            if frame.payload:
+                sink = np.empty(frame.payload, np.uint8)
+                await self.mesh.recv_payload(peer, frame, sink, self.extra)
+
+    async def check_first(self, peer: int, frame: Frame) -> str | None:
+        """None when ``frame`` matches our signature; else drain the peer and describe it."""
+        assert self.template is not None
+        if frame.signature == self.template.signature:
+            return None
+        await self.drain(peer, frame, PH_SIG)
+        return self.mismatch(peer, frame)
+
+    def raise_mismatches(self, problems: list[str]) -> None:
+        if problems:
+            raise CollectiveMismatchError(
+                f"collective #{self.seq} ({self.name}): ranks disagree: " + "; ".join(problems)
+            )
+
+    async def exchange_signatures(self) -> None:
+        """Phase 1 for every collective but SRA allreduce: SIG frames all-to-all."""
+        peers = list(self.mesh.peers)
+        problems: list[str] = []
+
+        async def one(p: int) -> None:
+            frame = await self.recv_header(p, PH_SIG, 0, first=True)
+            problem = await self.check_first(p, frame)
+            if problem:
+                problems.append(problem)
+
+        sends = [
+            self.mesh.send_frame(p, self.frame(PH_SIG, 0, 0, 1, Kind.SIG), None, self.extra)
+            for p in peers
+        ]
+        await gather_or_cancel([*sends, *(one(p) for p in peers)])
+        self.raise_mismatches(sorted(problems))

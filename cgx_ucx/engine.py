@@ -1,0 +1,238 @@
+"""The synchronous face: one daemon thread runs an asyncio loop; calls return futures.
+
+Autograd hooks and other synchronous code cannot ``await``. :class:`Engine` runs the
+asyncio core on a loop in one daemon thread (process-wide, started lazily, stopped when
+the last :class:`SyncCommunicator` closes, so nothing of ours outlives the last
+communicator); :func:`connect_sync` returns a :class:`SyncCommunicator` whose collectives
+return :class:`concurrent.futures.Future` at once. There is one implementation of every
+collective: these methods submit the asyncio ones (DESIGN.md, "Threads and loops").
+
+Submission order is call order: each collective takes its sequence number in the first
+synchronous step of its coroutine, and the loop starts submitted coroutines in FIFO
+order, so two hooks firing ``allreduce`` back to back keep their order on every rank.
+
+Future callbacks run on the engine thread: they must not block (wrap the future, e.g.
+into a ``torch.futures.Future``, and do the work elsewhere). This module never imports
+torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Coroutine
+from typing import Any
+
+from .collectives.communicator import CommStats, Communicator, connect
+from .config import CommConfig
+from .errors import CGXTimeoutError, TransportError
+
+__all__ = ["Engine", "SyncCommunicator", "connect_sync"]
+
+log = logging.getLogger("cgx_ucx")
+
+#: Seconds to wait for the engine thread to finish its loop on shutdown.
+STOP_TIMEOUT_S = 30.0
+
+
+class Engine:
+    """An asyncio loop on a daemon thread. Use :meth:`get` for the process-wide one."""
+
+    _instance: Engine | None = None
+    _instance_lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._users = 0
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="cgx-engine", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+
+    @classmethod
+    def get(cls, retain: bool = False) -> Engine:
+        """The process-wide engine, started on first use (again after it was stopped).
+
+        ``retain=True`` also counts the caller as a user (atomically with the lookup,
+        so a concurrent last :meth:`release` cannot stop it in between).
+        """
+        with cls._instance_lock:
+            if cls._instance is None or not cls._instance.running:
+                cls._instance = cls()
+            if retain:
+                cls._instance.retain()
+            return cls._instance
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.call_soon(self._ready.set)
+        try:
+            self._loop.run_forever()
+        finally:
+            try:
+                pending = [t for t in asyncio.all_tasks(self._loop) if not t.done()]
+                for t in pending:
+                    t.cancel()
+                if pending:
+                    self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+                self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+                self._loop.run_until_complete(self._loop.shutdown_default_executor())
+            finally:
+                self._loop.close()
+
+    # -- properties ---------------------------------------------------------------------
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive() and not self._loop.is_closed()
+
+    # -- use ------------------------------------------------------------------------------
+    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:
+        """Schedule ``coro`` on the engine loop; returns at once."""
+        if not self.running:
+            coro.close()
+            raise TransportError("the cgx_ucx engine is stopped")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
+        """Run ``coro`` on the engine loop and wait for its result (not from the loop thread)."""
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise TransportError("Engine.run() would deadlock on the engine thread; use submit()")
+        fut = self.submit(coro)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise CGXTimeoutError(f"engine call did not finish within {timeout:g} s") from None
+
+    def retain(self) -> None:
+        with self._lock:
+            self._users += 1
+
+    def release(self) -> None:
+        """Drop a user; the last one stops the loop and joins the thread."""
+        with self._lock:
+            self._users -= 1
+            last = self._users <= 0
+        if last:
+            self.stop()
+
+    def stop(self) -> None:
+        if not self.running:
+            return
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(STOP_TIMEOUT_S)
+            if self._thread.is_alive():
+                log.warning("cgx_ucx engine thread did not stop within %g s", STOP_TIMEOUT_S)
+
+
+class SyncCommunicator:
+    """A :class:`~cgx_ucx.collectives.Communicator` driven from synchronous code.
+
+    Collectives return ``concurrent.futures.Future`` immediately; their result is what
+    the asyncio method returns (the buffer, in place). Buffers must stay untouched
+    until the future completes.
+    """
+
+    def __init__(self, engine: Engine, comm: Communicator) -> None:
+        self._engine = engine
+        self._comm = comm
+        self._closed = False
+
+    @property
+    def rank(self) -> int:
+        return self._comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._comm.world_size
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def stats(self) -> CommStats:
+        return self._comm.stats
+
+    @property
+    def comm(self) -> Communicator:
+        """The asyncio communicator underneath (lives on the engine loop)."""
+        return self._comm
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    def _submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:
+        if self._closed:
+            coro.close()
+            raise TransportError("the communicator is closed")
+        return self._engine.submit(coro)
+
+    def allreduce(self, x: Any, op: str = "sum", **kwargs: Any) -> concurrent.futures.Future:
+        """Submit :meth:`Communicator.allreduce`; same keywords (layout, bits, ...)."""
+        return self._submit(self._comm.allreduce(x, op, **kwargs))
+
+    def broadcast(self, x: Any, root: int = 0) -> concurrent.futures.Future:
+        return self._submit(self._comm.broadcast(x, root))
+
+    def allgather(self, x: Any, out: Any = None) -> concurrent.futures.Future:
+        return self._submit(self._comm.allgather(x, out))
+
+    def barrier(self) -> concurrent.futures.Future:
+        return self._submit(self._comm.barrier())
+
+    def close(self, timeout: float | None = None) -> None:
+        """Close the communicator (blocking); the last one also stops the engine thread."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._engine.running:
+                limit = timeout if timeout is not None else self._comm.config.timeout + 15.0
+                self._engine.run(self._comm.close(), limit)
+        finally:
+            self._engine.release()
+
+    def __enter__(self) -> SyncCommunicator:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = " closed" if self._closed else ""
+        return f"<SyncCommunicator rank {self.rank}/{self.world_size}{state}>"
+
+
+def connect_sync(
+    store: Any = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    *,
+    config: CommConfig | None = None,
+    prefix: str = "cgx",
+    host: str | None = None,
+) -> SyncCommunicator:
+    """Blocking :func:`~cgx_ucx.collectives.connect` on the engine thread."""
+    engine = Engine.get(retain=True)
+    try:
+        coro = connect(store, rank, world_size, config=config, prefix=prefix, host=host)
+        comm = engine.run(coro)
+    except BaseException:
+        engine.release()
+        raise
+    return SyncCommunicator(engine, comm)

@@ -1,0 +1,171 @@
+"""UCX start-up: environment defaults applied before UCX initializes, one shared context.
+
+UCXX keeps one application context (one UCP worker) per process. Every communicator of
+this process shares it; :func:`acquire` starts it on first use and :func:`release`
+shuts it down when the last communicator closes, so a later communicator starts from a
+clean worker (and nothing of ours keeps running in between).
+
+Defaults, each applied only where the user has not set the variable (measured on the
+2-core development machine with ucxx 0.52 / UCX 1.21, issue 3):
+
+- ``UCX_TCP_TX_SEG_SIZE=256K``, ``UCX_TCP_RX_SEG_SIZE=1M``: TCP went from 0.65 to 2.05 GB/s
+  at 64 MiB. Only TCP links use them (loopback under ``UCX_TLS=tcp``, and between hosts).
+- ``UCX_MEMTYPE_CACHE``: ucxx sets it at import for old UCX versions; UCX >= 1.19 no
+  longer knows it and prints "unused environment variable" at every start. When the
+  user did not set it, it is removed again before the context is created.
+
+The progress mode ("blocking" by default, :class:`~cgx_ucx.config.CommConfig`) is fixed
+when the context starts; a communicator asking for another mode while the context is
+running gets the running one (logged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import TransportError
+
+__all__ = ["UCX_DEFAULTS", "acquire", "apply_env_defaults", "release", "ucxx_module"]
+
+log = logging.getLogger("cgx_ucx.transport")
+
+#: UCX variables set when the user did not set them (see the module docstring for the
+#: measurements behind each value).
+UCX_DEFAULTS: dict[str, str] = {
+    "UCX_TCP_TX_SEG_SIZE": "256K",
+    "UCX_TCP_RX_SEG_SIZE": "1M",
+}
+
+_lock = threading.Lock()
+_users = 0
+_owned = False  # True when the running UCXX context was started by us
+_memtype_cache_user_set: bool | None = None
+
+
+def apply_env_defaults(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Set :data:`UCX_DEFAULTS` (and ``extra``) in ``os.environ`` where unset.
+
+    Must run before UCX initializes (UCX reads its variables once, when the context is
+    created). Returns the variables it actually set.
+    """
+    applied = {}
+    for name, value in {**UCX_DEFAULTS, **(extra or {})}.items():
+        if name not in os.environ:
+            os.environ[name] = value
+            applied[name] = value
+    return applied
+
+
+def ucxx_module() -> Any:
+    """Import ucxx (lazily: importing it loads libucx and sets UCX variables)."""
+    global _memtype_cache_user_set
+    if "ucxx" not in sys.modules and _memtype_cache_user_set is None:
+        _memtype_cache_user_set = "UCX_MEMTYPE_CACHE" in os.environ
+    try:
+        import ucxx
+    except ImportError as exc:  # pragma: no cover - ucxx is a hard dependency
+        raise TransportError("ucxx (package ucxx-cu12) is required for the transport") from exc
+    return ucxx
+
+
+def _drop_stale_memtype_cache(ucxx: Any) -> None:
+    # ucxx sets UCX_MEMTYPE_CACHE=n for UCX versions that had the option; 1.19+ warn
+    # about it as unknown on every context start.
+    if _memtype_cache_user_set is False and tuple(ucxx.get_ucx_version()) >= (1, 19, 0):
+        os.environ.pop("UCX_MEMTYPE_CACHE", None)
+
+
+def acquire(progress_mode: str, ucx_env: Mapping[str, str] | None = None) -> Any:
+    """Start (or join) the process's UCXX context; returns the ucxx module.
+
+    Call from inside the event loop that will drive UCX progress.
+    """
+    global _users, _owned
+    with _lock:
+        ucxx = ucxx_module()
+        ctx = getattr(ucxx.core, "_ctx", None)
+        if ctx is None:
+            applied = apply_env_defaults(ucx_env)
+            _drop_stale_memtype_cache(ucxx)
+            if applied:
+                log.info("UCX defaults applied (unset by the user): %s", applied)
+            try:
+                ucxx.init(progress_mode=progress_mode)
+            except Exception as exc:
+                raise TransportError(f"UCX failed to initialize: {exc}") from exc
+            _owned = True
+            log.info("UCX context started, progress mode %r", progress_mode)
+        elif ctx.progress_mode != progress_mode:
+            log.info(
+                "UCX already running in progress mode %r; %r requested, keeping %r",
+                ctx.progress_mode,
+                progress_mode,
+                ctx.progress_mode,
+            )
+        # Make sure the calling loop drives progress (a no-op when it already does).
+        ucxx.core._get_ctx().continuous_ucx_progress(asyncio.get_running_loop())
+        _users += 1
+        return ucxx
+
+
+def _stop_progress_tasks(ucxx: Any) -> None:
+    """Stop the progress tasks UCXX attached to event loops.
+
+    UCXX keeps them (and a reader on the worker's epoll descriptor) until the loop
+    closes; after the worker is gone they would keep progressing a dead worker and
+    hold it in memory, and a new context on the same loop would get no progress task.
+    """
+    try:
+        from ucxx._lib_async import application_context as appctx
+    except ImportError:  # pragma: no cover
+        return
+    tasks = getattr(appctx, "ProgressTasks", {})
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    for loop, task in list(tasks.items()):
+        if loop.is_closed():
+            continue
+        worker = getattr(task, "worker", None)
+        fd = worker.epoll_file_descriptor if worker is not None else None
+        for t in getattr(task, "_tasks", ()) or ():
+            if t is None:
+                continue
+            if loop is running:
+                t.cancel()
+            else:
+                loop.call_soon_threadsafe(t.cancel)
+        if fd is not None and task.__class__.__name__ == "BlockingMode":
+            if loop is running:
+                loop.remove_reader(fd)
+            else:
+                loop.call_soon_threadsafe(loop.remove_reader, fd)
+    tasks.clear()
+
+
+def release() -> None:
+    """Drop one user; the last one shuts the context down (when we started it)."""
+    global _users, _owned
+    with _lock:
+        if _users <= 0:
+            return
+        _users -= 1
+        if _users or not _owned:
+            return
+        ucxx = sys.modules.get("ucxx")
+        if ucxx is None:
+            return
+        _stop_progress_tasks(ucxx)
+        try:
+            ucxx.reset()
+        except Exception as exc:
+            log.warning("UCX reset left references behind: %s", str(exc).splitlines()[0])
+        _owned = False
+        log.info("UCX context shut down")

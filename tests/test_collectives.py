@@ -1,0 +1,242 @@
+"""Collectives across spawned processes: exact uncompressed sums, compressed error
+bounds, bit-identical replicas, several collectives in flight, both faces (asyncio and
+the synchronous engine), world sizes 1-4, sizes 0, 1 and non-multiples of the bucket."""
+
+from __future__ import annotations
+
+import asyncio
+
+import ml_dtypes
+import numpy as np
+import pytest
+from harness import run_ranks
+
+from cgx_ucx.collectives import connect
+from cgx_ucx.config import CommConfig
+from cgx_ucx.layout import LayerSpec, Layout
+
+CFG = CommConfig(timeout=20.0, connect_timeout=30.0)
+
+
+def rank_data(rank: int, n: int, dtype, low=-1000, high=1000) -> np.ndarray:
+    """Integer-valued data: every sum of a few of them is exactly representable."""
+    return np.random.default_rng(1000 + rank).integers(low, high, n).astype(dtype)
+
+
+def smooth_data(rank: int, n: int) -> np.ndarray:
+    return np.random.default_rng(2000 + rank).standard_normal(n).astype(np.float32)
+
+
+# -- bodies run in the ranks (module level: spawned children import them) ---------------
+
+
+def _range(dtype):
+    # bfloat16 holds integers exactly up to 256: keep sums of 4 ranks below that.
+    return (-60, 60) if np.dtype(dtype).itemsize == 2 else (-100, 100)
+
+
+async def exact_sums(ctx):
+    """Uncompressed SUM/AVG for several dtypes and sizes; returns the results for checking."""
+    out = {}
+    async with await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG) as comm:
+        for dtype in (np.float32, np.float64, np.int32, np.int64, np.float16, ml_dtypes.bfloat16):
+            for n in (0, 1, 1023, 70_001):
+                x = rank_data(ctx.rank, n, dtype, *_range(dtype))
+                await comm.allreduce(x)
+                out[(np.dtype(dtype).name, n, "sum")] = x
+        x = rank_data(ctx.rank, 5000, np.float32)
+        await comm.allreduce(x, "avg")
+        out[("float32", 5000, "avg")] = x
+        for algo in ("sra", "ring"):
+            x = rank_data(ctx.rank, 300_007, np.int64)
+            await comm.allreduce(x, algorithm=algo)
+            out[("int64", 300_007, algo)] = x
+        stats = comm.stats
+    return out, stats.collectives
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_uncompressed_sum_is_exact(world):
+    results = run_ranks(exact_sums, world, timeout=100)
+    for key, got in results[0][0].items():
+        dtype, n = key[0], key[1]
+        dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+        lo, hi = _range(dt) if key[2] == "sum" and n != 300_007 else (-1000, 1000)
+        inputs = [rank_data(r, n, dt, lo, hi) for r in range(world)]
+        expect = sum(x.astype(np.float64) for x in inputs)
+        if key[2] == "avg":
+            expect = expect / world
+            np.testing.assert_allclose(got.astype(np.float64), expect, rtol=1e-6)
+        else:
+            np.testing.assert_array_equal(got.astype(np.float64), expect, err_msg=str(key))
+        for other in results[1:]:
+            np.testing.assert_array_equal(other[0][key], got, err_msg=f"replica differs {key}")
+    assert results[0][1] == len(results[0][0])
+
+
+async def compressed(ctx, n, bits, bucket, algorithm, dtype_name):
+    dtype = np.dtype(ml_dtypes.bfloat16) if dtype_name == "bfloat16" else np.dtype(dtype_name)
+    async with await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG) as comm:
+        x = smooth_data(ctx.rank, n).astype(dtype)
+        await comm.allreduce(x, bits=bits, bucket_size=bucket, algorithm=algorithm)
+        return x
+
+
+def _bound(xs, bits, bucket, algorithm):
+    """Per-value error bound: each quantization step errs by at most unit/2.
+
+    SRA quantizes every input once (unit <= range_i / (2^b - 1)) and the sum once; the
+    ring re-quantizes partial sums at each of N-1 hops. Bound both by (steps) times the
+    per-bucket unit of the sum of ranges (a safe over-estimate).
+    """
+    world, n = len(xs), len(xs[0])
+    levels = 2**bits - 1
+    total = np.zeros(n)
+    for b in range(0, n, bucket):
+        total[b : b + bucket] = sum(
+            float(x[b : b + bucket].max() - x[b : b + bucket].min()) for x in xs
+        )
+    steps = world + 1 if algorithm == "sra" else 2 * world
+    return steps * total / levels / 2 + 1e-5 * np.abs(sum(xs))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "world,n,bits,bucket,algorithm,dtype",
+    [
+        (2, 100_003, 4, 1024, "sra", "float32"),
+        (3, 65_537, 2, 512, "sra", "float32"),
+        (3, 65_537, 8, 100, "ring", "float32"),
+        (4, 40_000, 4, 1000, "sra", "float16"),
+        (2, 1, 4, 1024, "sra", "float32"),
+        (2, 0, 4, 1024, "ring", "float32"),
+    ],
+)
+def test_compressed_within_bound_and_identical(world, n, bits, bucket, algorithm, dtype):
+    results = run_ranks(compressed, world, args=(n, bits, bucket, algorithm, dtype), timeout=100)
+    for r in results[1:]:
+        assert r.tobytes() == results[0].tobytes(), "replicas are not bit-identical"
+    exact = sum(smooth_data(r, n).astype(np.float64) for r in range(world))
+    err = np.abs(results[0].astype(np.float64) - exact)
+    bound = _bound([smooth_data(r, n) for r in range(world)], bits, bucket, algorithm)
+    if dtype == "float16":
+        bound = bound + np.abs(exact) * 2e-3 * world
+    assert np.all(err <= bound), f"max excess {np.max(err - bound)}"
+
+
+async def mixed_layout(ctx):
+    # Layers: compressed 4-bit, uncompressed (bias-like), compressed 2-bit with odd buckets.
+    layout = Layout(
+        (
+            LayerSpec(0, 50_000, 4, 512),
+            LayerSpec(50_000, 77, 32, 1024),
+            LayerSpec(50_077, 33_333, 2, 100),
+        )
+    )
+    async with await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG) as comm:
+        x = smooth_data(ctx.rank, layout.numel)
+        await comm.allreduce(x, layout=layout)
+        y = smooth_data(ctx.rank, layout.numel)
+        await comm.allreduce(y, layout=layout, stochastic=True, seed=7)
+        return x, y
+
+
+@pytest.mark.timeout(60)
+def test_mixed_layout_uncompressed_layer_exact():
+    results = run_ranks(mixed_layout, 3, timeout=50)
+    exact = sum(smooth_data(r, 83_410).astype(np.float64) for r in range(3))
+    for x, y in results:
+        assert x.tobytes() == results[0][0].tobytes()
+        assert y.tobytes() == results[0][1].tobytes()
+    x = results[0][0]
+    # The uncompressed layer is summed in float32: exact up to float32 rounding.
+    np.testing.assert_allclose(x[50_000:50_077], exact[50_000:50_077], rtol=1e-6, atol=1e-6)
+    xs = [smooth_data(r, 83_410) for r in range(3)]
+    err = np.abs(x - exact)
+    assert np.all(err[:50_000] <= _bound([a[:50_000] for a in xs], 4, 512, "sra"))
+    assert np.all(err[50_077:] <= _bound([a[50_077:] for a in xs], 2, 100, "sra"))
+
+
+async def in_flight(ctx):
+    """Several collectives at once, completed out of order; results must not mix."""
+    async with await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG) as comm:
+        xs = [rank_data(ctx.rank, 10_000 + 997 * i, np.float32) for i in range(6)]
+        b = np.arange(5.0) if ctx.rank == 1 else np.zeros(5)
+        calls = [comm.allreduce(x, bits=None if i % 2 else 8) for i, x in enumerate(xs)]
+        calls.insert(2, comm.broadcast(b, root=1))
+        calls.insert(4, comm.barrier())
+        calls.append(comm.allgather(np.full(2, ctx.rank)))
+        res = await asyncio.gather(*calls)
+        return xs, b, res[-1]
+
+
+@pytest.mark.timeout(60)
+def test_several_collectives_in_flight():
+    results = run_ranks(in_flight, 3, timeout=50)
+    for i in range(6):
+        n = 10_000 + 997 * i
+        exact = sum(rank_data(r, n, np.float32).astype(np.float64) for r in range(3))
+        got = results[0][0][i]
+        for other in results[1:]:
+            assert other[0][i].tobytes() == got.tobytes()
+        if i % 2:
+            np.testing.assert_array_equal(got, exact)
+        else:
+            assert np.abs(got - exact).max() < 6000 / 255 * 3
+    for _, b, g in results:
+        np.testing.assert_array_equal(b, np.arange(5.0))
+        np.testing.assert_array_equal(g, np.repeat(np.arange(3), 2).reshape(3, 2))
+
+
+def sync_face(ctx):
+    """The synchronous engine: futures, order preserved, close stops the thread."""
+    import threading
+
+    from cgx_ucx.engine import connect_sync
+
+    comm = connect_sync(ctx.store, ctx.rank, ctx.world_size, config=CFG)
+    xs = [rank_data(ctx.rank, 4099, np.float32) for _ in range(4)]
+    futs = [comm.allreduce(x, bits=4 if i % 2 else None) for i, x in enumerate(xs)]
+    futs.append(comm.barrier())
+    for f in futs:
+        f.result(30)
+    g = comm.allgather(np.array([ctx.rank * 10])).result(30)
+    comm.close()
+    threads = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
+    # A second communicator in the same process afterwards works.
+    comm2 = connect_sync(ctx.store, ctx.rank, ctx.world_size, config=CFG)
+    y = rank_data(ctx.rank, 10, np.int64)
+    comm2.allreduce(y).result(30)
+    comm2.close()
+    return xs, g, threads, y
+
+
+@pytest.mark.timeout(60)
+def test_sync_engine_and_reconnect():
+    results = run_ranks(sync_face, 2, timeout=50)
+    for i in (0, 2):
+        exact = sum(rank_data(r, 4099, np.float32) for r in range(2))
+        np.testing.assert_array_equal(results[0][0][i], exact)
+    for xs, g, threads, y in results:
+        assert xs[1].tobytes() == results[0][0][1].tobytes()
+        np.testing.assert_array_equal(g, [[0], [10]])
+        assert threads == [], f"threads left after close: {threads}"
+        np.testing.assert_array_equal(y, rank_data(0, 10, np.int64) + rank_data(1, 10, np.int64))
+
+
+async def single(ctx):
+    async with await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG) as comm:
+        x = rank_data(0, 1000, np.float32)
+        await comm.allreduce(x)
+        y = smooth_data(0, 3000)
+        await comm.allreduce(y, bits=8)
+        await comm.barrier()
+        return x, y
+
+
+@pytest.mark.timeout(30)
+def test_world_size_one():
+    x, y = run_ranks(single, 1, timeout=25)[0]
+    np.testing.assert_array_equal(x, rank_data(0, 1000, np.float32))
+    assert np.abs(y - smooth_data(0, 3000)).max() < 8 / 255
