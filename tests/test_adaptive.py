@@ -646,3 +646,51 @@ def test_agree_sync_with_futures_and_a_collective_probe():
     assert results[0] is not None and results[0] == results[1]
     assert policies[0].link_bandwidth == policies[1].link_bandwidth == pytest.approx(100e6)
     assert results[0].bits == StaticPolicy(LAYERS).current.bits
+
+
+# ---------------------------------------------------------------------------------------
+# agreement across real processes, on the engine
+
+
+async def _agree_on_the_engine(ctx):
+    """Every policy, real communicator, different local gradients on each rank: decide
+    with agree(), then run the gradient allreduce with the policy's layout (ranks whose
+    layouts differed would fail with CollectiveMismatchError)."""
+    from cgx_ucx.collectives import connect
+    from cgx_ucx.compression.adaptive import make_link_probe
+    from cgx_ucx.config import CommConfig
+
+    cfg = CommConfig(timeout=20.0, connect_timeout=30.0)
+    out = {}
+    async with await connect(ctx.store, ctx.rank, ctx.world_size, config=cfg) as comm:
+        for name in ("kmeans", "budget", "auto"):
+            kw = {"schedule": Schedule(warmup=2, interval=3, window=2)}
+            if name == "auto":
+                codec = CodecCost(1e9 * (1 + ctx.rank), 2e9, 1e-5)  # rank-local measurements
+                probe = make_link_probe(comm, nbytes=1 << 16, repeats=2)
+                kw = {"world_size": ctx.world_size, "link_probe": probe, "codec": codec}
+            policy = make_policy(name, LAYERS, **kw)
+            rng = np.random.default_rng(100 + ctx.rank)
+            history = []
+            for step in range(6):
+                history.append((await agree(policy, comm, step, timeout=20)).encode())
+                grads = grads_for(LAYERS, SCALES, rng)
+                policy.observe(step, grads)
+                flat = np.concatenate(grads)
+                await comm.allreduce(flat, layout=policy.layout())
+            out[name] = (np.stack(history), policy.decisions, getattr(policy, "link_bandwidth", 0))
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_agree_across_processes_on_the_engine():
+    from harness import run_ranks
+
+    results = run_ranks(_agree_on_the_engine, 2, timeout=80)
+    for name in ("kmeans", "budget", "auto"):
+        (h0, d0, bw0), (h1, d1, bw1) = results[0][name], results[1][name]
+        np.testing.assert_array_equal(h0, h1, err_msg=name)
+        assert d0 == d1 >= 1
+        assert bw0 == bw1  # the probe's mean, identical on both ranks
+    assert not np.array_equal(results[0]["budget"][0][0], results[0]["budget"][0][-1])
+    assert results[0]["auto"][2] > 0

@@ -92,6 +92,7 @@ __all__ = [
     "allreduce_seconds",
     "deterministic_kmeans",
     "layer_seconds",
+    "make_link_probe",
     "make_policy",
     "probe_codec",
     "quantization_errors",
@@ -109,6 +110,9 @@ PAPER_LAYER_MIN_SIZE = 1024
 #: candidates cost about 3 ms per layer on this 2-core host (NumPy), and 64 buckets keep
 #: the sampling error of heavy-tailed gradients near 10% (tests/test_adaptive.py).
 DEFAULT_SAMPLE_VALUES = 65536
+#: Bytes of one link-probe allreduce: 4 MiB takes 34 ms at 1 Gbit/s, long enough that
+#: per-message latency is a few percent, short enough to probe at every drift.
+DEFAULT_PROBE_BYTES = 4 << 20
 #: Seconds any collective of :func:`agree` may take (CommConfig's default timeout).
 DEFAULT_TIMEOUT = 300.0
 
@@ -1331,6 +1335,57 @@ def probe_codec(
         best(lambda: decode_add(tiny_buf, tiny_acc)),
     )
     return CodecCost(4.0 * numel / t_enc, 4.0 * numel / t_dec, t_over)
+
+
+def make_link_probe(
+    comm: Any,
+    *,
+    nbytes: int = DEFAULT_PROBE_BYTES,
+    repeats: int = 3,
+    world_size: int | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> Callable[[], float | Awaitable[float]]:
+    """A link probe for :class:`AutoPolicy`: times uncompressed allreduces over ``comm``.
+
+    Returns bytes/s per peer, ``2 (w-1)/w * nbytes / t`` for the best of ``repeats``
+    allreduces of ``nbytes`` (after one warm-up), so that the effective bandwidth includes
+    what the engine spends per byte (summing, framing), the same costs an uncompressed
+    layer pays. A collective: every rank must call the probe at the same point, which
+    :func:`agree` guarantees. For an asyncio communicator (``allreduce`` is a coroutine
+    function) the probe is a coroutine function; otherwise it waits on the returned futures.
+    """
+    nbytes = _check_positive_int(nbytes, "nbytes", 4)
+    repeats = _check_positive_int(repeats, "repeats")
+    w = _world_size(comm, world_size)
+    buf = np.zeros(nbytes // 4, np.float32)
+    factor = 2.0 * (w - 1) / w if w > 1 else 1.0
+
+    def rate(best: float) -> float:
+        return factor * buf.nbytes / max(best, 1e-9)
+
+    if inspect.iscoroutinefunction(getattr(comm, "allreduce", None)):
+
+        async def probe_async() -> float:
+            best = math.inf
+            for k in range(repeats + 1):
+                t0 = time.perf_counter()
+                await _deadline(comm.allreduce(buf, op="sum"), timeout, "link probe")
+                if k:  # the first one warms up connections and buffers
+                    best = min(best, time.perf_counter() - t0)
+            return rate(best)
+
+        return probe_async
+
+    def probe() -> float:
+        best = math.inf
+        for k in range(repeats + 1):
+            t0 = time.perf_counter()
+            _wait(comm.allreduce(buf, op="sum"), timeout, "link probe")
+            if k:
+                best = min(best, time.perf_counter() - t0)
+        return rate(best)
+
+    return probe
 
 
 def _device_sync(xp: Any) -> Callable[[], None]:
