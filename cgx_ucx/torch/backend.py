@@ -119,6 +119,10 @@ def _connect(store: Any, rank: int, size: int, config: CommConfig, prefix: str) 
     return connect_sync(store, rank, size, config=config, prefix=prefix)
 
 
+def _nothing() -> None:
+    return None
+
+
 def _red_op(op: Any) -> Any:
     """The RedOpType of a ReduceOp or RedOpType."""
     return op.op if isinstance(op, dist.ReduceOp) else op
@@ -270,10 +274,14 @@ class ProcessGroupCGX(dist.ProcessGroup):
         stage = t.contiguous()
         return stage, lambda: t.copy_(stage)
 
-    def _allreduce_into(self, t: torch.Tensor, op: Any) -> Any:
-        """Start an allreduce of contiguous ``t`` in place; returns the engine future."""
+    def _allreduce_into(self, t: torch.Tensor, op: Any) -> tuple[Any, Callable[[], None]]:
+        """Start an allreduce of contiguous ``t`` in place.
+
+        Returns the engine future and the step to run once it is done (the local
+        reduction of the allgather path; nothing for SUM/AVG). That step runs on a
+        completion thread, never on the engine's loop.
+        """
         op = _red_op(op)
-        comm = self._comm
         if op in (_RedOp.SUM, _RedOp.AVG) and t.dtype != torch.bool and can_reduce(t):
             if op == _RedOp.AVG and not is_float(t):
                 raise ConfigError(f"AVG is defined for floating tensors only, got {t.dtype}")
@@ -283,13 +291,14 @@ class ProcessGroupCGX(dist.ProcessGroup):
                 layout = Layout.from_sizes([flat.numel()], cfg)
             else:
                 layout = Layout.uniform(flat.numel())
-            return comm.allreduce(
+            cf = self._comm.allreduce(
                 as_array(flat),
                 op="avg" if op == _RedOp.AVG else "sum",
                 layout=layout,
                 stochastic=cfg.stochastic,
                 seed=cfg.seed,
             )
+            return cf, _nothing
         kind = _LOCAL_REDUCE.get(op)
         if op in (_RedOp.SUM, _RedOp.AVG) and t.dtype == torch.bool:
             kind = "bor"  # torch's SUM of bools is a logical or
@@ -301,33 +310,12 @@ class ProcessGroupCGX(dist.ProcessGroup):
             )
         if t.is_complex() and kind in ("max", "min"):
             raise ConfigError(f"{op} is not defined for complex tensors")
-        return self._gather_reduce(t, kind)
-
-    def _gather_reduce(self, t: torch.Tensor, kind: str) -> Any:
-        """Exact reduction: allgather every rank's tensor, reduce locally in rank order."""
-        import concurrent.futures
-
+        # Exact: allgather every rank's tensor, then reduce locally in rank order, so
+        # every rank computes the same value.
         flat = t.view(-1)
         gathered = torch.empty((self._size, flat.numel()), dtype=t.dtype, device=t.device)
-        inner = self._comm.allgather(as_array(flat), out=as_array(gathered))
-        outer: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-        def reduce(f: concurrent.futures.Future[Any]) -> None:
-            exc = f.exception()
-            if exc is not None:
-                outer.set_exception(exc)
-                return
-            try:
-                _local_reduce(kind, gathered, flat)
-            except BaseException as err:
-                outer.set_exception(err)
-            else:
-                outer.set_result(None)
-
-        # The reduction is a few element-wise ops; it runs where the engine completes,
-        # before the torch future (and user callbacks) see the result.
-        inner.add_done_callback(reduce)
-        return outer
+        cf = self._comm.allgather(as_array(flat), out=as_array(gathered))
+        return cf, lambda: _local_reduce(kind, gathered, flat)
 
     # -- collectives -------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> CGXWork:
@@ -335,9 +323,10 @@ class ProcessGroupCGX(dist.ProcessGroup):
         opts = opts if opts is not None else dist.AllreduceOptions()
         t = self._single(tensors, "allreduce")
         stage, back = self._staged(t)
-        cf = self._allreduce_into(stage, opts.reduceOp)
+        cf, post = self._allreduce_into(stage, opts.reduceOp)
 
         def finish(_: Any) -> list[torch.Tensor]:
+            post()
             back()
             return tensors
 
@@ -351,9 +340,10 @@ class ProcessGroupCGX(dist.ProcessGroup):
         if len({(t.dtype, t.device) for t in tensors}) != 1:
             raise ConfigError("allreduce_coalesced needs tensors of one dtype and device")
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        cf = self._allreduce_into(flat, opts.reduceOp)
+        cf, post = self._allreduce_into(flat, opts.reduceOp)
 
         def finish(_: Any) -> list[torch.Tensor]:
+            post()
             offset = 0
             for t in tensors:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
@@ -440,10 +430,11 @@ class ProcessGroupCGX(dist.ProcessGroup):
             raise ConfigError(
                 f"{what}: input must hold {self._size} x {n} values, got {flat.numel()}"
             )
-        cf = self._allreduce_into(flat, op)
+        cf, post = self._allreduce_into(flat, op)
         rank = self._rank
 
         def finish(_: Any) -> list[torch.Tensor]:
+            post()
             output.copy_(flat[rank * n : (rank + 1) * n].view_as(output))
             return [output]
 
@@ -483,9 +474,10 @@ class ProcessGroupCGX(dist.ProcessGroup):
         t = self._single(tensors, "reduce")
         is_root = self._rank == opts.rootRank
         stage = t.contiguous() if is_root else t.clone(memory_format=torch.contiguous_format)
-        cf = self._allreduce_into(stage, opts.reduceOp)
+        cf, post = self._allreduce_into(stage, opts.reduceOp)
 
         def finish(_: Any) -> list[torch.Tensor]:
+            post()
             if is_root and stage is not t:
                 t.copy_(stage)
             return tensors

@@ -1,0 +1,231 @@
+"""The ``cgx`` torch.distributed backend across spawned processes."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+
+from test_torch_harness import DEAD_EXIT, run_ranks
+
+
+def _init(rank: int, world: int, store: Any, timeout_s: float = 60.0) -> Any:
+    import torch.distributed as dist
+
+    import cgx_ucx.torch  # noqa: F401  (registers the backend)
+
+    dist.init_process_group(
+        "cgx",
+        store=store,
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return dist.group.WORLD
+
+
+# -- exact collectives ---------------------------------------------------------------------
+def _exact_ops(rank: int, world: int, store: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from cgx_ucx.errors import CGXError, ConfigError
+
+    os.environ.pop("CGX_COMPRESSION_QUANTIZATION_BITS", None)
+    pg = _init(rank, world, store)
+    assert dist.get_backend() == "cgx" and pg.name() == "cgx"
+    assert (dist.get_rank(), dist.get_world_size()) == (rank, world)
+    ranks = torch.arange(world)
+
+    for n in (0, 1, 1001):
+        base = torch.arange(n)
+        # SUM of integers and AVG of floats: exact through the uncompressed path.
+        t = base * (rank + 1)
+        dist.all_reduce(t)
+        assert torch.equal(t, base * int((ranks + 1).sum()))
+        f = torch.full((n,), float(rank))
+        dist.all_reduce(f, op=dist.ReduceOp.AVG)
+        assert torch.equal(f, torch.full((n,), float(ranks.float().mean())))
+        # MAX / MIN / PRODUCT / bitwise through allgather + local reduction.
+        m = base + rank
+        dist.all_reduce(m, op=dist.ReduceOp.MAX)
+        assert torch.equal(m, base + world - 1)
+        m = base.float() - rank
+        dist.all_reduce(m, op=dist.ReduceOp.MIN)
+        assert torch.equal(m, base.float() - (world - 1))
+        p = torch.full((n,), rank + 2, dtype=torch.int32)
+        dist.all_reduce(p, op=dist.ReduceOp.PRODUCT)
+        assert torch.equal(p, torch.full((n,), int((ranks + 2).prod()), dtype=torch.int32))
+        b = torch.full((n,), rank == 0)
+        dist.all_reduce(b, op=dist.ReduceOp.BOR)
+        assert bool(b.all())
+
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        h = torch.full((37,), 0.5 * (rank + 1), dtype=dtype)
+        dist.all_reduce(h)
+        assert torch.equal(h, torch.full((37,), 0.5 * float((ranks + 1).sum()), dtype=dtype))
+
+    # A non-contiguous tensor is staged and written back.
+    nc = torch.zeros(6, 4)
+    view = nc.t()
+    view.fill_(rank + 1.0)
+    dist.all_reduce(view)
+    assert torch.equal(nc, torch.full((6, 4), float((ranks + 1).sum())))
+
+    # async_op: wait() and get_future() as gloo's.
+    a = torch.ones(5) * rank
+    work = dist.all_reduce(a, async_op=True)
+    assert work.wait() is True and work.is_completed()
+    assert torch.equal(a, torch.full((5,), float(ranks.sum())))
+    a2 = torch.ones(3)
+    fut = dist.all_reduce(a2, async_op=True).get_future()
+    assert torch.equal(fut.wait()[0], torch.full((3,), float(world)))
+    chained = dist.all_reduce(torch.ones(2), async_op=True).get_future().then(lambda f: 7)
+    assert chained.wait() == 7
+
+    # broadcast / allgather / reduce_scatter / gather / scatter / reduce / barrier
+    x = torch.arange(10.0) if rank == world - 1 else torch.zeros(10)
+    dist.broadcast(x, src=world - 1)
+    assert torch.equal(x, torch.arange(10.0))
+    outs = [torch.empty(3, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(outs, torch.full((3,), rank))
+    assert all(torch.equal(o, torch.full((3,), r)) for r, o in enumerate(outs))
+    flat = torch.empty(world * 4)
+    dist.all_gather_into_tensor(flat, torch.full((4,), float(rank)))
+    assert torch.equal(flat, torch.arange(world).float().repeat_interleave(4))
+    rs = torch.empty(2)
+    src = torch.arange(world * 2.0)
+    dist.reduce_scatter_tensor(rs, src)
+    assert torch.equal(rs, src[rank * 2 : rank * 2 + 2] * world)
+    assert torch.equal(src, torch.arange(world * 2.0))  # input untouched
+    g = [torch.empty(2) for _ in range(world)] if rank == 0 else None
+    dist.gather(torch.full((2,), float(rank)), g, dst=0)
+    if rank == 0:
+        assert all(torch.equal(t, torch.full((2,), float(r))) for r, t in enumerate(g))
+    s = torch.empty(2)
+    dist.scatter(s, [torch.full((2,), 10.0 + r) for r in range(world)] if rank == 0 else None)
+    assert torch.equal(s, torch.full((2,), 10.0 + rank))
+    red = torch.full((3,), float(rank + 1))
+    dist.reduce(red, dst=1)
+    expected = float((ranks + 1).sum()) if rank == 1 else float(rank + 1)
+    assert torch.equal(red, torch.full((3,), expected))
+    dist.barrier()
+
+    # Bad input: typed errors, never a hang.
+    try:
+        dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.AVG)
+    except ConfigError:
+        pass
+    else:
+        raise AssertionError("integer AVG must be refused")
+    try:
+        dist.send(torch.ones(1), dst=(rank + 1) % world)
+    except CGXError:
+        pass
+    else:
+        raise AssertionError("send must be refused with a CGXError")
+    dist.barrier()  # still usable after refused calls
+
+
+@pytest.mark.timeout(150)
+def test_exact_collectives() -> None:
+    run_ranks(_exact_ops, 2, timeout=140)
+
+
+# -- compressed all_reduce -----------------------------------------------------------------
+def _compressed(rank: int, world: int, store: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from cgx_ucx.config import CompressionConfig
+
+    pg = _init(rank, world, store)
+    os.environ["CGX_COMPRESSION_MINIMAL_SIZE"] = "16"
+    checked_lossy = False
+    for bits in (2, 4, 8):
+        os.environ["CGX_COMPRESSION_QUANTIZATION_BITS"] = str(bits)  # read at each call
+        # Constant buckets decode exactly, so constant inputs reduce exactly.
+        c = torch.full((3000,), 0.25 * (rank + 1))
+        dist.all_reduce(c)
+        assert torch.equal(c, torch.full((3000,), 0.25 * world * (world + 1) / 2)), bits
+        for bucket in (64, 512, 2048):
+            os.environ["CGX_COMPRESSION_BUCKET_SIZE"] = str(bucket)
+            n = 5000  # not a multiple of any bucket size
+            ramp = torch.arange(n, dtype=torch.float32) + rank
+            exact = world * torch.arange(n, dtype=torch.float64) + world * (world - 1) / 2
+            dist.all_reduce(ramp)
+            err = (ramp.double() - exact).abs().max().item()
+            bound = 2 * min(bucket, n) / (2**bits - 1) * world * (world + 1)
+            assert err < bound, (bits, bucket, err, bound)
+            checked_lossy |= err > 0
+            # Every rank ends with the same bits (the owner re-quantizes its chunk too).
+            rows = [torch.empty(n) for _ in range(world)]
+            dist.all_gather(rows, ramp)
+            assert all(torch.equal(rows[0], r) for r in rows[1:])
+    assert checked_lossy, "compression was never applied"
+
+    # Tiny tensors (under the minimal size) stay exact even with compression on.
+    os.environ["CGX_COMPRESSION_QUANTIZATION_BITS"] = "2"
+    tiny = torch.tensor([0.1, 0.7, -3.3]) * (rank + 1)
+    want = torch.tensor([0.1, 0.7, -3.3]) * sum(range(1, world + 1))
+    dist.all_reduce(tiny)
+    assert torch.allclose(tiny, want, rtol=0, atol=1e-6)
+    # Explicit configuration in code beats the environment ...
+    pg.compression = CompressionConfig(bits=32)
+    r = torch.arange(5000.0) * (rank + 1)
+    dist.all_reduce(r)
+    assert torch.equal(r, torch.arange(5000.0) * (world * (world + 1) / 2))
+    # ... and None goes back to the environment.
+    pg.compression = None
+    assert pg.compression.bits == 2
+
+
+@pytest.mark.timeout(150)
+def test_compressed_allreduce_bounds() -> None:
+    run_ranks(_compressed, 3, timeout=140)
+
+
+# -- failure -------------------------------------------------------------------------------
+def _dead_peer(rank: int, world: int, store: Any, timeout_s: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    from cgx_ucx.errors import CGXError
+
+    _init(rank, world, store, timeout_s=timeout_s)
+    dist.all_reduce(torch.ones(4))  # the job works ...
+    if rank == 1:
+        os._exit(DEAD_EXIT)  # ... then this rank dies without a word
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    work = dist.all_reduce(torch.ones(1000), async_op=True)
+    try:
+        work.wait()
+    except CGXError:
+        pass
+    else:
+        raise AssertionError("all_reduce with a dead peer must raise")
+    took = time.monotonic() - t0
+    assert work.is_completed() and isinstance(work.exception(), CGXError)
+    # The group stays failed: later calls raise too (at once), they never hang.
+    t1 = time.monotonic()
+    try:
+        dist.broadcast(torch.ones(10), src=0)
+    except CGXError:
+        pass
+    else:
+        raise AssertionError("a collective after a lost peer must raise")
+    assert time.monotonic() - t1 < timeout_s + 3.0
+    return took
+
+
+@pytest.mark.timeout(120)
+def test_dead_peer_errors_within_timeout() -> None:
+    timeout_s = 6.0
+    took = run_ranks(_dead_peer, 2, timeout_s, timeout=100, expect_dead=[1])[0]
+    assert took < timeout_s + 3.0, took

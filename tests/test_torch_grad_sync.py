@@ -1,0 +1,122 @@
+"""GradientSync (per-parameter gradient hooks) against DDP, across spawned processes."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+
+from test_torch_harness import run_ranks
+
+
+class _Net:
+    """Built lazily in the children (torch is imported there)."""
+
+    @staticmethod
+    def make() -> Any:
+        import torch.nn as nn
+
+        class Net(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.body = nn.Sequential(nn.Linear(30, 64), nn.Tanh(), nn.Linear(64, 64))
+                self.head = nn.Linear(64, 5)
+                self.unused = nn.Linear(4, 4)  # never in the graph: counts as zero
+
+            def forward(self, x: Any) -> Any:
+                return self.head(self.body(x).relu())
+
+        return Net()
+
+
+def _sync_job(rank: int, world: int, store: Any) -> None:
+    import asyncio
+    import copy
+    import os
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from cgx_ucx.errors import ConfigError
+    from cgx_ucx.torch import GradientSync
+
+    os.environ.pop("CGX_COMPRESSION_QUANTIZATION_BITS", None)
+    dist.init_process_group(
+        "cgx", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
+    gloo = dist.new_group(backend="gloo")
+    torch.manual_seed(0)
+    base = _Net.make()
+    ddp = DDP(copy.deepcopy(base), process_group=gloo, find_unused_parameters=True)
+    exact_model = copy.deepcopy(base)
+    # A tiny bucket cap: several buckets, started in order while backward runs.
+    exact = GradientSync(exact_model, compression_params={"bits": 32}, bucket_cap_mb=0.01)
+    assert len(exact.buckets) > 2
+    lossy_model = copy.deepcopy(base)
+    lossy = GradientSync(
+        lossy_model, compression_params={"bits": 4, "bucket_size": 256}, layer_min_size=512
+    )
+    gen = torch.Generator().manual_seed(7 + rank)
+    max_err = 0.0
+    for step in range(4):
+        x = torch.randn(16, 30, generator=gen)
+        y = torch.randint(0, 5, (16,), generator=gen)
+        ddp.zero_grad()
+        F.cross_entropy(ddp(x), y).backward()
+        for model in (exact_model, lossy_model):
+            model.load_state_dict(ddp.module.state_dict())
+            model.zero_grad(set_to_none=step % 2 == 0)
+            F.cross_entropy(model(x), y).backward()
+        exact.synchronize() if step % 2 == 0 else asyncio.run(_await(exact))
+        lossy.synchronize()
+        for (name, p), q, r in zip(
+            ddp.module.named_parameters(),
+            exact_model.parameters(),
+            lossy_model.parameters(),
+            strict=True,
+        ):
+            if name.startswith("unused"):
+                # DDP leaves it without grad; GradientSync averages zeros.
+                assert p.grad is None and torch.equal(q.grad, torch.zeros_like(q))
+                continue
+            assert torch.equal(p.grad, q.grad), (name, step, (p.grad - q.grad).abs().max())
+            max_err = max(max_err, (p.grad - r.grad).abs().max().item())
+    assert 0 < max_err < 0.05, max_err  # 4 bits: lossy, and close
+    assert exact.steps == 4 and lossy.bytes_per_step * 4 < exact.bytes_per_step
+
+    # Accumulation: no_sync for the first backward, averaged once at the end.
+    ddp.zero_grad()
+    exact_model.zero_grad()
+    xs = [torch.randn(8, 30, generator=gen) for _ in range(2)]
+    with ddp.no_sync():
+        ddp(xs[0]).sum().backward()
+    ddp(xs[1]).sum().backward()
+    with exact.no_sync():
+        exact_model(xs[0]).sum().backward()
+    exact_model(xs[1]).sum().backward()
+    exact.synchronize()
+    for (name, p), q in zip(ddp.module.named_parameters(), exact_model.parameters(), strict=True):
+        if not name.startswith("unused"):
+            assert torch.allclose(p.grad, q.grad, rtol=1e-6, atol=1e-7), name
+    # Two backward passes without synchronize() in between: an error, not a double count.
+    exact_model(xs[0]).sum().backward()
+    try:
+        exact_model(xs[1]).sum().backward()
+    except ConfigError:
+        pass
+    else:
+        raise AssertionError("a second backward before synchronize() must be refused")
+
+
+async def _await(sync: Any) -> None:
+    await sync
+
+
+@pytest.mark.timeout(150)
+def test_gradient_sync_matches_ddp() -> None:
+    run_ranks(_sync_job, 2, timeout=140)
