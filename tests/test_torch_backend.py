@@ -65,10 +65,14 @@ def _exact_ops(rank: int, world: int, store: Any) -> None:
         dist.all_reduce(b, op=dist.ReduceOp.BOR)
         assert bool(b.all())
 
-    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         h = torch.full((37,), 0.5 * (rank + 1), dtype=dtype)
         dist.all_reduce(h)
         assert torch.equal(h, torch.full((37,), 0.5 * float((ranks + 1).sum()), dtype=dtype))
+
+    z = torch.full((5,), complex(rank, -rank), dtype=torch.complex64)
+    dist.all_reduce(z)
+    assert torch.equal(z, torch.full((5,), complex(ranks.sum(), -ranks.sum()), dtype=z.dtype))
 
     # A non-contiguous tensor is staged and written back.
     nc = torch.zeros(6, 4)

@@ -89,6 +89,17 @@ def _sync_job(rank: int, world: int, store: Any) -> None:
     assert 0 < max_err < 0.05, max_err  # 4 bits: lossy, and close
     assert exact.steps == 4 and lossy.bytes_per_step * 4 < exact.bytes_per_step
 
+    # Overlap: with every parameter used, all buckets start during backward.
+    body = GradientSync(exact_model.body, compression_params={"bits": 32}, bucket_cap_mb=0.01)
+    exact.remove()
+    exact_model.zero_grad()
+    exact_model(torch.randn(4, 30, generator=gen)).sum().backward()
+    assert body.buckets_started == len(body.buckets) > 1
+    body.synchronize()
+    assert body.buckets_started == 0
+    body.remove()
+    exact = GradientSync(exact_model, compression_params={"bits": 32}, bucket_cap_mb=0.01)
+
     # Accumulation: no_sync for the first backward, averaged once at the end.
     ddp.zero_grad()
     exact_model.zero_grad()

@@ -5,7 +5,14 @@ Importing this package registers the ``cgx`` backend (idempotent), so
 ``dist.init_process_group("cgx")`` works after ``import cgx_ucx``.
 """
 
-from .backend import BACKEND_NAME, CGXOptions, ProcessGroupCGX, get_communicator, register
+from .backend import (
+    BACKEND_NAME,
+    CGXOptions,
+    ProcessGroupCGX,
+    close_communicators,
+    get_communicator,
+    register,
+)
 from .grad_sync import GradientSync
 from .hook import CGXState, cgx_hook, layer_layout, wire_bytes
 from .work import CGXWork
@@ -20,6 +27,7 @@ __all__ = [
     "GradientSync",
     "ProcessGroupCGX",
     "cgx_hook",
+    "close_communicators",
     "get_communicator",
     "layer_layout",
     "register",

@@ -21,16 +21,19 @@ from ..errors import ConfigError
 __all__ = [
     "FLOAT_DTYPES",
     "as_array",
-    "can_reduce",
+    "can_sum",
     "is_float",
 ]
 
 #: Dtypes the codec quantizes (issue 2: float32, float16, bfloat16).
 FLOAT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
-#: Dtypes the engine reduces exactly (uncompressed). Complex and float64 are moved
-#: as raw bytes by broadcast/allgather only.
-_REDUCIBLE = FLOAT_DTYPES | {
+#: Dtypes the engine sums itself. Those outside FLOAT_DTYPES go uncompressed (exact
+#: for integers); complex tensors are summed as their (real, imag) float pairs.
+_SUMMABLE = FLOAT_DTYPES | {
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
     torch.int8,
     torch.uint8,
     torch.int16,
@@ -44,9 +47,9 @@ def is_float(tensor: torch.Tensor) -> bool:
     return tensor.dtype in FLOAT_DTYPES
 
 
-def can_reduce(tensor: torch.Tensor) -> bool:
+def can_sum(tensor: torch.Tensor) -> bool:
     """True when the engine can sum ``tensor`` itself (else the backend reduces locally)."""
-    return tensor.dtype in _REDUCIBLE
+    return tensor.dtype in _SUMMABLE
 
 
 def as_array(tensor: torch.Tensor) -> Any:
@@ -73,18 +76,16 @@ def as_array(tensor: torch.Tensor) -> Any:
         except TypeError as exc:
             raise ConfigError(f"dtype {t.dtype} has no NumPy equivalent") from exc
     if t.device.type == "cuda":
-        import cupy
-
+        try:
+            import cupy
+        except ImportError as exc:
+            raise ConfigError("CUDA tensors need CuPy: pip install 'cgx_ucx[gpu]'") from exc
+        if t.dtype == torch.bfloat16:
+            # CuPy has no bfloat16 dtype, and the GPU codec takes float32/float16 only.
+            raise ConfigError("bfloat16 CUDA tensors are not supported yet; use float16/float32")
         # The engine reads and writes the memory from its own thread and stream: the
         # kernels that produced it on torch's current stream must be done first.
         torch.cuda.current_stream(t.device).synchronize()
-
-        if t.dtype == torch.bfloat16:
-            # CuPy has no bfloat16 dtype: the engine gets the raw 16-bit words re-typed as
-            # ml_dtypes.bfloat16, as on the host.
-            import ml_dtypes
-
-            return cupy.from_dlpack(t.view(torch.int16)).view(ml_dtypes.bfloat16)
         if t.dtype.is_complex:
             return cupy.from_dlpack(torch.view_as_real(t))
         return cupy.from_dlpack(t)

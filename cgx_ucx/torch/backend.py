@@ -34,6 +34,7 @@ Semantics:
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import logging
@@ -48,7 +49,7 @@ import torch.distributed as dist
 from ..config import CommConfig, CompressionConfig, resolve_comm, resolve_compression
 from ..errors import CGXError, ConfigError
 from ..layout import Layout
-from ._convert import as_array, can_reduce, is_float
+from ._convert import as_array, can_sum, is_float
 from .futures import to_torch_future
 from .work import CGXWork
 
@@ -56,6 +57,7 @@ __all__ = [
     "BACKEND_NAME",
     "CGXOptions",
     "ProcessGroupCGX",
+    "close_communicators",
     "get_communicator",
     "register",
 ]
@@ -282,17 +284,17 @@ class ProcessGroupCGX(dist.ProcessGroup):
         completion thread, never on the engine's loop.
         """
         op = _red_op(op)
-        if op in (_RedOp.SUM, _RedOp.AVG) and t.dtype != torch.bool and can_reduce(t):
-            if op == _RedOp.AVG and not is_float(t):
+        if op in (_RedOp.SUM, _RedOp.AVG) and can_sum(t):
+            if op == _RedOp.AVG and not (t.is_floating_point() or t.is_complex()):
                 raise ConfigError(f"AVG is defined for floating tensors only, got {t.dtype}")
-            flat = t.view(-1)
+            arr = as_array(t.view(-1))  # complex: 2 floats per value
             cfg = self.compression
             if is_float(t) and cfg.enabled:
-                layout = Layout.from_sizes([flat.numel()], cfg)
+                layout = Layout.from_sizes([arr.size], cfg)
             else:
-                layout = Layout.uniform(flat.numel())
+                layout = Layout.uniform(arr.size)
             cf = self._comm.allreduce(
-                as_array(flat),
+                arr,
                 op="avg" if op == _RedOp.AVG else "sum",
                 layout=layout,
                 stochastic=cfg.stochastic,
@@ -621,5 +623,28 @@ def get_communicator(
         gen = _generations.get(name, 0)
         _generations[name] = gen + 1
         comm = _connect(store, group.rank(), group.size(), cfg, f"cgx_ucx_hook/{gen}")
+        if not _comms:
+            atexit.register(close_communicators)
         _comms[name] = comm
         return comm
+
+
+#: Seconds each communicator made by get_communicator may take to close at exit: the
+#: peers may already be gone, and exit must not wait out the full collective timeout.
+EXIT_CLOSE_TIMEOUT_S = 5.0
+
+
+def close_communicators(timeout: float = EXIT_CLOSE_TIMEOUT_S) -> None:
+    """Close the communicators :func:`get_communicator` made for non-cgx groups.
+
+    Runs at interpreter exit; call it earlier to release UCX resources (a later
+    get_communicator makes a new one, collectively).
+    """
+    with _comms_lock:
+        comms = list(_comms.items())
+        _comms.clear()
+    for name, comm in comms:
+        try:
+            comm.close(timeout)
+        except CGXError as exc:
+            log.warning("closing the cgx communicator of group %r: %s", name, exc)

@@ -25,6 +25,10 @@ How (numbered as in PyTorch's comm hooks):
    backward (their values count as zero, as DDP's find_unused_parameters), waits for
    all with the communicator's timeout, and writes the averages into ``param.grad``.
 
+A parameter that gets no gradient in a backward pass holds its bucket, and to keep
+the order the buckets after it, until ``synchronize()``: pass only the parameters
+that are used to keep the full overlap.
+
 Gradient accumulation: wrap the backward passes that should not communicate in
 ``with sync.no_sync():``; a parameter that becomes ready twice between two
 synchronizations is an error (as in DDP), not a silent double count.
@@ -147,6 +151,11 @@ class GradientSync:
     def compression(self) -> CompressionConfig:
         """The configuration buckets use (params > environment > paper defaults)."""
         return resolve_compression(PAPER_DEFAULTS, **self.compression_params)
+
+    @property
+    def buckets_started(self) -> int:
+        """Buckets of the current step whose allreduce has started (0 after synchronize)."""
+        return self._next
 
     @property
     def buckets(self) -> list[list[torch.nn.Parameter]]:

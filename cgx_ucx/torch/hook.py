@@ -94,7 +94,9 @@ class CGXState:
     Internal: the communicator, per-bucket layouts, residuals.
 
     Stats: ``steps`` (DDP iterations seen), ``bytes_sent`` (payload bytes this rank
-    sent through the hook, all steps), ``bytes_per_step`` (of the last full step).
+    sent through the hook, all steps), ``bytes_per_step`` (of the last full step);
+    both computed from the bucket layouts (:func:`wire_bytes`). The communicator's
+    ``stats.bytes_sent`` counts everything it really sent, frame headers included.
     """
 
     def __init__(
