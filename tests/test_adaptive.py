@@ -458,6 +458,20 @@ def test_auto_reprobes_on_drift():
         AutoPolicy(LAYERS, world_size=2)  # neither bandwidth nor probe
 
 
+def test_auto_takes_the_codec_from_a_vector_probe():
+    def probe():  # [bandwidth, encode_bps, decode_bps, overhead_s], as make_link_probe
+        return [125e6, 0.5e9, 0.5e9, 1e-5]
+
+    p = AutoPolicy(LAYERS, world_size=2, link_probe=probe)
+    a = p.assignment(0)
+    c = p.codec
+    assert (c.encode_bps, c.decode_bps, c.overhead_s) == pytest.approx((0.5e9, 0.5e9, 1e-5))
+    assert p.link_bandwidth == pytest.approx(125e6)
+    assert a.bits == StaticPolicy(LAYERS).current.bits
+    fast = AutoPolicy(LAYERS, world_size=2, link_probe=lambda: [10e9, 0.5e9, 0.5e9, 1e-5])
+    assert set(fast.assignment(0).bits) == {32}
+
+
 def test_auto_measures_the_codec_when_not_given():
     p = AutoPolicy([LayerInfo(1 << 16, 2)], world_size=2, link_bandwidth=1e6)
     assert p.assignment(0).bits == (4,)  # 1 MB/s: compression wins whatever the codec

@@ -102,6 +102,9 @@ __all__ = [
 
 log = logging.getLogger("cgx_ucx.adaptive")
 
+#: What a probe returns: a number or a short vector of numbers.
+ProbeValue = float | Sequence[float] | np.ndarray
+
 #: The CGX paper's setting (Markov et al. 2022, section 5): 4 bits, buckets of 1024.
 PAPER_CONFIG = CompressionConfig(bits=4, bucket_size=1024)
 #: torch_cgx's CGXState default: layers with fewer values go uncompressed.
@@ -574,13 +577,16 @@ class Policy(ABC):
         del step, statistics
         return False
 
-    def probe(self) -> float | Awaitable[float]:
-        """A collective measurement (e.g. link bandwidth); only called when wanted."""
+    def probe(self) -> ProbeValue | Awaitable[ProbeValue]:
+        """A collective measurement (e.g. of the link); only called when wanted.
+
+        Returns a number or a short vector of numbers (or an awaitable of one).
+        """
         raise ConfigError(f"policy {self.name!r} has no probe")
 
-    def set_probe_result(self, value: float) -> None:
-        """The probe's value, averaged over the ranks."""
-        del value
+    def set_probe_result(self, values: np.ndarray) -> None:
+        """The probe's values (float64 vector), averaged over the ranks."""
+        del values
 
     def decide(self, step: int, statistics: np.ndarray) -> Assignment:
         """Decide from (all-reduced mean) ``statistics``; deterministic. Installs the result."""
@@ -619,7 +625,7 @@ class Policy(ABC):
                 value = self.probe()
                 if inspect.isawaitable(value):
                     raise ConfigError("an asynchronous probe needs `await agree(...)`")
-                self.set_probe_result(float(value))
+                self.set_probe_result(_probe_vector(value).astype(np.float64))
             self.decide(step, stats)
         self.maybe_log(step)
         return self._current
@@ -1291,15 +1297,17 @@ def probe_codec(
     bits: int = 4,
     bucket_size: int = 1024,
     *,
-    numel: int = 1 << 20,
+    numel: int = 1 << 22,
     repeats: int = 3,
     like: Any = None,
 ) -> CodecCost:
-    """Measure this device's codec: best of ``repeats`` encode and decode_add passes.
+    """Measure the codec kernels on this device: median encode and decode_add passes.
 
     ``like``: an array whose device/array module to measure on (default: host NumPy).
-    A 1 Mi-value buffer (4 MiB) is large enough that per-call costs are < 1% on the host;
-    the per-call overhead comes from a 1-value buffer.
+    Two 16 MiB inputs are used in turn: encoding one 4 MiB buffer again and again ran
+    5x faster than a fresh one here (it stayed in the last-level cache), which made
+    compression look cheap. The per-call overhead comes from a 1-value buffer. Kernels
+    only: :func:`make_link_probe` measures the engine's whole compressed path instead.
     """
     from .codec import decode_add, encode
 
@@ -1307,32 +1315,32 @@ def probe_codec(
     repeats = _check_positive_int(repeats, "repeats")
     xp = np if like is None else _xp(like)
     rng = np.random.default_rng(0)
-    x = xp.asarray(rng.standard_normal(numel).astype(np.float32))
+    xs = [xp.asarray(rng.standard_normal(numel).astype(np.float32)) for _ in range(2)]
     acc = xp.zeros(numel, np.float32)
     tiny = xp.ones(1, np.float32)
     tiny_acc = xp.zeros(1, np.float32)
-    out = xp.empty(wire_nbytes(numel, bits, bucket_size), np.uint8)
+    outs = [xp.empty(wire_nbytes(numel, bits, bucket_size), np.uint8) for _ in range(2)]
     tiny_out = xp.empty(wire_nbytes(1, bits, bucket_size), np.uint8)
     sync = _device_sync(xp)
 
-    def best(fn: Callable[[], Any]) -> float:
-        fn()  # warm-up: JIT compilation, kernel build
+    def median(fn: Callable[[int], Any]) -> float:
+        fn(0)  # warm-up: JIT compilation, kernel build
         sync()
         times = []
-        for _ in range(repeats):
+        for k in range(repeats):
             t0 = time.perf_counter()
-            fn()
+            fn(k % 2)
             sync()
             times.append(time.perf_counter() - t0)
-        return max(min(times), 1e-9)
+        return max(float(np.median(times)), 1e-9)
 
-    t_enc = best(lambda: encode(x, bits, bucket_size, out=out))
-    buf = encode(x, bits, bucket_size, out=out)
-    t_dec = best(lambda: decode_add(buf, acc))
+    t_enc = median(lambda k: encode(xs[k], bits, bucket_size, out=outs[k]))
+    bufs = [encode(xs[k], bits, bucket_size, out=outs[k]) for k in range(2)]
+    t_dec = median(lambda k: decode_add(bufs[k], acc))
     tiny_buf = encode(tiny, bits, bucket_size, out=tiny_out)
     t_over = min(
-        best(lambda: encode(tiny, bits, bucket_size, out=tiny_out)),
-        best(lambda: decode_add(tiny_buf, tiny_acc)),
+        median(lambda k: encode(tiny, bits, bucket_size, out=tiny_out)),
+        median(lambda k: decode_add(tiny_buf, tiny_acc)),
     )
     return CodecCost(4.0 * numel / t_enc, 4.0 * numel / t_dec, t_over)
 
@@ -1341,49 +1349,95 @@ def make_link_probe(
     comm: Any,
     *,
     nbytes: int = DEFAULT_PROBE_BYTES,
+    bits: int = 4,
+    bucket_size: int = 1024,
     repeats: int = 3,
     world_size: int | None = None,
     timeout: float = DEFAULT_TIMEOUT,
-) -> Callable[[], float | Awaitable[float]]:
-    """A link probe for :class:`AutoPolicy`: times uncompressed allreduces over ``comm``.
+) -> Callable[[], ProbeValue | Awaitable[ProbeValue]]:
+    """A probe for :class:`AutoPolicy` that times the engine itself, on the real link.
 
-    Returns bytes/s per peer, ``2 (w-1)/w * nbytes / t`` for the best of ``repeats``
-    allreduces of ``nbytes`` (after one warm-up), so that the effective bandwidth includes
-    what the engine spends per byte (summing, framing), the same costs an uncompressed
-    layer pays. A collective: every rank must call the probe at the same point, which
-    :func:`agree` guarantees. For an asyncio communicator (``allreduce`` is a coroutine
-    function) the probe is a coroutine function; otherwise it waits on the returned futures.
+    Returns ``[bandwidth, encode_bps, decode_bps, overhead_s]``:
+
+    1. ``bandwidth`` (bytes/s per peer) = ``2 (w-1)/w * nbytes / t_raw``, with ``t_raw``
+       the best of ``repeats`` uncompressed allreduces of ``nbytes`` (after a warm-up):
+       it includes what the engine spends per byte (summing, framing), as a raw layer does.
+    2. The same buffer all-reduced at ``bits`` / ``bucket_size`` takes ``t_q``; what is
+       left after its wire time is the engine's whole compressed path (kernels, staging,
+       thread hand-offs), expressed as one effective codec rate for both directions:
+       ``4n * (1 + (2w-1)/w) / (t_q - wire time)`` (the work :func:`layer_seconds` counts).
+       Bare kernel rates (:func:`probe_codec`) were 3-5x optimistic here.
+    3. ``overhead_s`` per codec call: the same (up to) 64 Ki values compressed as 32
+       layers instead of one, the extra time divided by 32 layers x 3 calls.
+
+    A collective: every rank must call the probe at the same point (:func:`agree` does).
+    For an asyncio communicator (``allreduce`` is a coroutine function) the probe is a
+    coroutine function; otherwise it waits on the returned futures.
     """
     nbytes = _check_positive_int(nbytes, "nbytes", 4)
     repeats = _check_positive_int(repeats, "repeats")
+    bits = _check_bits(bits)
+    if bits == NO_COMPRESSION_BITS:
+        raise ConfigError("the link probe compares against a quantized width: bits 1..8")
     w = _world_size(comm, world_size)
-    buf = np.zeros(nbytes // 4, np.float32)
-    factor = 2.0 * (w - 1) / w if w > 1 else 1.0
+    n = nbytes // 4
+    pristine = np.random.default_rng(1).standard_normal(n).astype(np.float32)
+    buf = pristine.copy()
+    layers = 32
+    if n < 16 * layers:
+        raise ConfigError(f"nbytes must be at least {64 * layers} for the probe")
+    small = min(1 << 16, n) // layers * layers
+    many = Layout.from_sizes(
+        [small // layers] * layers, bits=[bits] * layers, bucket_sizes=[bucket_size] * layers
+    )
+    one = Layout.from_sizes([small], bits=[bits], bucket_sizes=[bucket_size])
+    kinds: list[tuple[dict[str, Any], int]] = [
+        ({}, n),
+        ({"bits": bits, "bucket_size": bucket_size}, n),
+        ({"layout": one}, small),
+        ({"layout": many}, small),
+    ]
 
-    def rate(best: float) -> float:
-        return factor * buf.nbytes / max(best, 1e-9)
+    def result(best: list[float]) -> np.ndarray:
+        t_raw, t_q, t_one, t_many = best
+        factor = 2.0 * (w - 1) / w if w > 1 else 1.0
+        bw = factor * 4.0 * n / t_raw
+        wire = allreduce_seconds(float(wire_nbytes(n, bits, bucket_size)), w, bw)
+        work = 4.0 * n * (1.0 + (2 * w - 1) / w)
+        rate = work / max(t_q - wire, 1e-9)
+        over = max(t_many - t_one, 0.0) / (layers * 3)
+        return np.array([bw, rate, rate, over])
 
     if inspect.iscoroutinefunction(getattr(comm, "allreduce", None)):
 
-        async def probe_async() -> float:
-            best = math.inf
-            for k in range(repeats + 1):
-                t0 = time.perf_counter()
-                await _deadline(comm.allreduce(buf, op="sum"), timeout, "link probe")
-                if k:  # the first one warms up connections and buffers
-                    best = min(best, time.perf_counter() - t0)
-            return rate(best)
+        async def probe_async() -> np.ndarray:
+            best = []
+            for kw, size in kinds:
+                t = math.inf
+                for k in range(repeats + 1):
+                    buf[:size] = pristine[:size]
+                    t0 = time.perf_counter()
+                    aw = comm.allreduce(buf[:size], op="sum", **kw)
+                    await _deadline(aw, timeout, "link probe")
+                    if k:  # the first one warms up connections, buffers and kernels
+                        t = min(t, time.perf_counter() - t0)
+                best.append(t)
+            return result(best)
 
         return probe_async
 
-    def probe() -> float:
-        best = math.inf
-        for k in range(repeats + 1):
-            t0 = time.perf_counter()
-            _wait(comm.allreduce(buf, op="sum"), timeout, "link probe")
-            if k:
-                best = min(best, time.perf_counter() - t0)
-        return rate(best)
+    def probe() -> np.ndarray:
+        best = []
+        for kw, size in kinds:
+            t = math.inf
+            for k in range(repeats + 1):
+                buf[:size] = pristine[:size]
+                t0 = time.perf_counter()
+                _wait(comm.allreduce(buf[:size], op="sum", **kw), timeout, "link probe")
+                if k:
+                    t = min(t, time.perf_counter() - t0)
+            best.append(t)
+        return result(best)
 
     return probe
 
@@ -1397,9 +1451,13 @@ def _device_sync(xp: Any) -> Callable[[], None]:
 class AutoPolicy(Policy):
     """Compress a layer only where the modeled allreduce time says it saves time.
 
-    1. Inputs: the link bandwidth per peer (bytes/s), given or from ``link_probe`` (a
-       collective the engine runs: every rank calls it at the same decision step), and the
-       codec cost, given or measured with :func:`probe_codec` on this device.
+    1. Inputs: the link bandwidth per peer (bytes/s) and the codec cost. Either given
+       (``link_bandwidth``, ``codec``), or measured: ``link_probe`` is a collective the
+       ranks run together at a decision step, returning the bandwidth alone or
+       ``[bandwidth, encode_bps, decode_bps, overhead_s]`` (:func:`make_link_probe` times
+       the engine's raw and compressed allreduce on the real link); without codec numbers
+       from there, :func:`probe_codec` times the kernels on this device. The ranks use the
+       mean of their measurements.
     2. Per compressible layer: compress with ``config`` (4 bits, buckets of 1024) iff
        :func:`layer_seconds` compressed ``< (1 - min_gain)`` times uncompressed. Small
        layers stay uncompressed because of the per-call overhead; on a fast link every
@@ -1422,7 +1480,7 @@ class AutoPolicy(Policy):
         *,
         world_size: int,
         link_bandwidth: float | None = None,
-        link_probe: Callable[[], float | Awaitable[float]] | None = None,
+        link_probe: Callable[[], ProbeValue | Awaitable[ProbeValue]] | None = None,
         codec: CodecCost | None = None,
         codec_probe: Callable[[], CodecCost] | None = None,
         check_every: int = 50,
@@ -1445,9 +1503,14 @@ class AutoPolicy(Policy):
             raise ConfigError(f"drift_threshold must be > 0, got {drift_threshold!r}")
         if not 0 <= min_gain < 1:
             raise ConfigError(f"min_gain must be in [0, 1), got {min_gain!r}")
+        if codec is not None and not isinstance(codec, CodecCost):
+            raise ConfigError(f"codec must be a CodecCost, got {codec!r}")
         self.link_bandwidth = None if link_bandwidth is None else float(link_bandwidth)
         self.link_probe = link_probe
+        #: the codec cost in use; given, from the link probe, or from the kernels
         self.codec = codec
+        self._codec_given = codec is not None
+        self._probe_codec: CodecCost | None = None  # the link probe's (ranks' mean)
         self.codec_probe = codec_probe
         self.check_every = _check_positive_int(check_every, "check_every")
         self.ewma_alpha = float(ewma_alpha)
@@ -1482,19 +1545,29 @@ class AutoPolicy(Policy):
         return bool(b > 0 and abs(self._ewma / b - 1.0) > self.drift_threshold)
 
     # -- protocol -------------------------------------------------------------------------
-    def due(self, step: int) -> bool:
-        return bool(self._compressible.any()) and self.schedule.is_decision(step)
-
     def _statistics(self) -> np.ndarray:
+        """``[drift flag, encode_bps, decode_bps, overhead_s]`` of this rank.
+
+        The codec entries are NaN when the link probe measures the codec (or one rank:
+        nothing to time); otherwise the given cost, or the kernels measured here.
+        """
+        nan = float("nan")
         if self.world_size <= 1:
-            return np.array([0.0, 1.0, 1.0, 0.0])  # one rank: nothing to time
+            return np.array([0.0, nan, nan, nan])
         drift = self.drifted
-        if self.codec_probe is not None and (self.codec is None or drift):
-            self.codec = self.codec_probe()
-        elif self.codec is None:
-            self.codec = probe_codec(self.config.bits, self.config.bucket_size)
-        c = self.codec
-        return np.array([1.0 if drift else 0.0, c.encode_bps, c.decode_bps, c.overhead_s])
+        c: CodecCost | None = None
+        if self._codec_given:
+            c = self.codec
+        elif self.link_probe is None:
+            if self.codec_probe is not None and (self.codec is None or drift):
+                self.codec = self.codec_probe()
+            elif self.codec is None or drift:
+                self.codec = probe_codec(self.config.bits, self.config.bucket_size)
+            c = self.codec
+        flag = 1.0 if drift else 0.0
+        if c is None:
+            return np.array([flag, nan, nan, nan])
+        return np.array([flag, c.encode_bps, c.decode_bps, c.overhead_s])
 
     def _statistics_size(self) -> int:
         return 4
@@ -1502,32 +1575,52 @@ class AutoPolicy(Policy):
     def wants_probe(self, step: int, statistics: np.ndarray) -> bool:
         if self.link_probe is None or self.world_size <= 1:
             return False
-        return not self._probed or float(np.asarray(statistics)[-4]) > 0
+        return not self._probed or float(np.asarray(statistics)[0]) > 0
 
-    def probe(self) -> float | Awaitable[float]:
+    def probe(self) -> ProbeValue | Awaitable[ProbeValue]:
         if self.link_probe is None:
             raise ConfigError("auto policy has no link_probe")
         return self.link_probe()
 
-    def set_probe_result(self, value: float) -> None:
-        if not (math.isfinite(value) and value > 0):
-            raise CGXError(f"link probe measured {value!r} bytes/s")
-        self.link_bandwidth = float(value)
+    def set_probe_result(self, values: np.ndarray) -> None:
+        values = np.asarray(values, np.float64).reshape(-1)
+        bw = float(values[0])
+        if not (math.isfinite(bw) and bw > 0):
+            raise CGXError(f"link probe measured {bw!r} bytes/s")
+        self.link_bandwidth = bw
         self._probed = True
+        if values.shape[0] >= 4 and np.isfinite(values[1:4]).all() and (values[1:3] > 0).all():
+            self._probe_codec = CodecCost(
+                float(values[1]), float(values[2]), max(float(values[3]), 0.0)
+            )
 
     def _decide(self, step: int, statistics: np.ndarray) -> Assignment:
-        drift, enc, dec, over = (float(v) for v in statistics)
+        drift = float(statistics[0])
         first = self._decisions == 0
-        if not first and drift <= 0:
+        if not first and not drift > 0:
             return self._current
-        bw = self.link_bandwidth
-        if self.world_size > 1 and bw is None:
-            raise ConfigError("auto policy: no link bandwidth (give link_bandwidth or link_probe)")
-        codec = CodecCost(enc, dec, max(over, 0.0)) if self.world_size > 1 else None
+        codec: CodecCost | None = None
+        if self.world_size > 1:
+            bw = self.link_bandwidth
+            if bw is None:
+                raise ConfigError(
+                    "auto policy: no link bandwidth (give link_bandwidth or link_probe)"
+                )
+            enc, dec, over = (float(v) for v in statistics[1:4])
+            if self._codec_given:
+                codec = self.codec
+            elif math.isfinite(enc) and math.isfinite(dec) and enc > 0 and dec > 0:
+                codec = CodecCost(enc, dec, max(over, 0.0) if math.isfinite(over) else 0.0)
+            else:
+                codec = self._probe_codec
+            if codec is None:
+                raise CGXError("auto policy: the link probe measured no codec cost")
+            self.codec = codec
         bits, buckets = [], []
         for i, n in enumerate(self._sizes.tolist()):
             b = NO_COMPRESSION_BITS
-            if self._compressible[i] and codec is not None and bw is not None:
+            if self._compressible[i] and codec is not None:
+                bw = float(self.link_bandwidth)  # type: ignore[arg-type]
                 t_raw = layer_seconds(n, NO_COMPRESSION_BITS, 1, self.world_size, bw, None)
                 t_q = layer_seconds(
                     n, self.config.bits, self.config.bucket_size, self.world_size, bw, codec
@@ -1543,12 +1636,15 @@ class AutoPolicy(Policy):
         return Assignment(tuple(bits), tuple(buckets), step)
 
     def _extra_state(self) -> dict[str, Any]:
-        c = self.codec
+        def vec(c: CodecCost | None) -> np.ndarray:
+            return np.array(
+                [np.nan] * 3 if c is None else [c.encode_bps, c.decode_bps, c.overhead_s]
+            )
+
         return {
             "link_bandwidth": float("nan") if self.link_bandwidth is None else self.link_bandwidth,
-            "codec": np.array(
-                [np.nan] * 3 if c is None else [c.encode_bps, c.decode_bps, c.overhead_s]
-            ),
+            "codec": vec(self.codec),
+            "probe_codec": vec(self._probe_codec),
             "ewma": self._ewma,
             "baseline": self._baseline,
             "since": self._since,
@@ -1556,14 +1652,20 @@ class AutoPolicy(Policy):
         }
 
     def _load_extra_state(self, state: Mapping[str, Any]) -> None:
+        def cost(v: Any) -> CodecCost | None:
+            c = np.asarray(v, np.float64).reshape(3)
+            return None if np.isnan(c).any() else CodecCost(float(c[0]), float(c[1]), float(c[2]))
+
         bw = float(state["link_bandwidth"])
+        codec = cost(state["codec"])
+        probe_codec_ = cost(state["probe_codec"])
+        ewma, baseline = float(state["ewma"]), float(state["baseline"])
+        since, probed = int(state["since"]), bool(state["probed"])
         self.link_bandwidth = None if math.isnan(bw) else bw
-        c = np.asarray(state["codec"], np.float64)
-        self.codec = None if np.isnan(c).any() else CodecCost(float(c[0]), float(c[1]), float(c[2]))
-        self._ewma = float(state["ewma"])
-        self._baseline = float(state["baseline"])
-        self._since = int(state["since"])
-        self._probed = bool(state["probed"])
+        if not self._codec_given:
+            self.codec = codec
+        self._probe_codec = probe_codec_
+        self._ewma, self._baseline, self._since, self._probed = ewma, baseline, since, probed
 
 
 # =======================================================================================
@@ -1587,14 +1689,22 @@ def _agree_steps(
     mean = np.asarray(total, np.float64) / world_size
     if policy.wants_probe(step, mean):
         value = yield "probe", None
-        reduced = yield "allreduce", np.array([float(value)], np.float32)
-        policy.set_probe_result(float(np.asarray(reduced, np.float64)[0]) / world_size)
+        vec = _probe_vector(value)
+        reduced = yield "allreduce", vec
+        policy.set_probe_result(np.asarray(reduced, np.float64) / world_size)
     decided = policy.decide(step, mean.astype(np.float32))
     got = yield "broadcast", decided.encode()
     final = Assignment.decode(np.asarray(got), policy.num_layers)
     policy.adopt(final)
     policy.maybe_log(step)
     return final
+
+
+def _probe_vector(value: Any) -> np.ndarray:
+    vec = np.atleast_1d(np.asarray(value, np.float64)).astype(np.float32)
+    if vec.ndim != 1 or vec.shape[0] == 0 or vec.shape[0] > 64:
+        raise CGXError(f"a probe must return a number or a short vector, got {value!r}")
+    return vec
 
 
 def _world_size(comm: Any, world_size: int | None) -> int:
