@@ -294,13 +294,13 @@ _ALLREDUCE_RANK = """
 import asyncio, datetime, hashlib, os, sys
 import numpy as np
 import torch.distributed as dist
-import cgx_ucx
+from cgx_ucx.collectives import connect
 
 async def main():
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           rank == 0, timeout=datetime.timedelta(seconds=20))
-    comm = await asyncio.wait_for(cgx_ucx.connect(store, rank, world), 20)
+    comm = await asyncio.wait_for(connect(store, rank, world), 20)
     try:
         n = 300_001  # not a multiple of the bucket
         base = (np.arange(n) % 1000).astype(np.float32)
@@ -329,9 +329,6 @@ asyncio.run(main())
 @needs_netns
 @pytest.mark.netns
 @pytest.mark.timeout(60)
-@pytest.mark.skipif(
-    not hasattr(__import__("cgx_ucx"), "connect"), reason="cgx_ucx.connect (issue 3) not there"
-)
 def test_cgx_allreduce_across_a_shaped_link_is_correct() -> None:
     before = _namespaces()
     with LinkEmulator(2, "1gbit", prefix=PREFIX) as link:

@@ -143,10 +143,10 @@ async def _allreduce_job(args: argparse.Namespace) -> dict[str, Any]:
     comm = None
     cgx_bits = [b for b in args.bits]
     if cgx_bits:
-        import cgx_ucx
+        from ..collectives import connect
 
         comm = await asyncio.wait_for(
-            cgx_ucx.connect(dist.PrefixStore("cgx", store), rank, world), args.timeout
+            connect(dist.PrefixStore("cgx", store), rank, world), args.timeout
         )
 
     async def barrier() -> None:
@@ -244,7 +244,7 @@ def _train_job(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     timeout = datetime.timedelta(seconds=args.timeout)
     if args.backend == "cgx":
-        import cgx_ucx
+        from .. import torch as cgx_torch  # registers the "cgx" backend
 
         dist.init_process_group("cgx", init_method="env://", timeout=timeout)
     else:
@@ -276,12 +276,12 @@ def _train_job(args: argparse.Namespace) -> dict[str, Any]:
 
     ddp = DDP(model)
     if args.backend == "cgx":
-        state = cgx_ucx.CGXState(
+        state = cgx_torch.CGXState(
             None,
             layer_min_size=1024,
             compression_params={"bits": args.bits, "bucket_size": args.bucket_size},
         )
-        ddp.register_comm_hook(state, cgx_ucx.cgx_hook)
+        ddp.register_comm_hook(state, cgx_torch.cgx_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
     nparams = sum(p.numel() for p in model.parameters())
