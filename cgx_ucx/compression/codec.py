@@ -317,7 +317,7 @@ def _check_out(out: Any, numel: int, buf: Any, what: str = "out") -> None:
         raise CodecError(f"{what} must be 1-D contiguous, got shape {out.shape}")
     if out.shape[0] != numel:
         raise CodecError(f"{what} has {out.shape[0]} values, the segment holds {numel}")
-    if not out.flags.writeable:
+    if not getattr(out.flags, "writeable", True):  # CuPy arrays have no such flag
         raise CodecError(f"{what} is read-only")
 
 
