@@ -1,9 +1,15 @@
 """cgx_ucx: compressed (about 4-bit) gradient all-reduce for data-parallel training on UCX.
 
-The public face only: re-exports. See README.md for the API.
+The public face only: re-exports. See README.md for the API. When PyTorch is installed,
+importing cgx_ucx registers the ``cgx`` torch.distributed backend (the one side effect),
+so an existing script changes one line: ``dist.init_process_group("cgx")``.
 """
 
+import importlib.util as _importlib_util
+
+from .collectives import CommStats, Communicator, connect
 from .config import CommConfig, CompressionConfig, resolve_comm, resolve_compression
+from .engine import Engine, SyncCommunicator, connect_sync
 from .errors import (
     CGXError,
     CGXTimeoutError,
@@ -25,14 +31,26 @@ __all__ = [
     "CodecError",
     "CollectiveMismatchError",
     "CommConfig",
+    "CommStats",
+    "Communicator",
     "CompressionConfig",
     "ConfigError",
+    "Engine",
     "LayerSpec",
     "Layout",
     "PeerLostError",
     "ProtocolError",
     "RendezvousError",
+    "SyncCommunicator",
     "TransportError",
+    "connect",
+    "connect_sync",
     "resolve_comm",
     "resolve_compression",
 ]
+
+# torch is an optional extra: the core works on NumPy and CuPy arrays without it.
+if _importlib_util.find_spec("torch") is not None:
+    from .torch import CGXOptions, CGXState, GradientSync, cgx_hook  # registers "cgx"
+
+    __all__ += ["CGXOptions", "CGXState", "GradientSync", "cgx_hook"]
