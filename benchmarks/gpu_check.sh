@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# GPU check of the codec, one command on a machine with an NVIDIA GPU:
+#   bash benchmarks/gpu_check.sh [gpu_check.py options]
+# 1. installs what is missing (numpy numba ml_dtypes cupy-cuda12x pytest ...) with pip,
+# 2. runs the GPU tests with CGX_UCX_REQUIRE_GPU=1 (a missing GPU fails, not skips) and the
+#    NVRTC kernel tests,
+# 3. prints GPU encode/decode/decode_add throughput next to a device-to-device copy and
+#    writes benchmarks/results/gpu_codec.json (+ gpu_tests.txt); copies both to $OUT when set.
+# The package runs from this checkout (PYTHONPATH), nothing is installed for it.
+# PYTHON selects the interpreter (default: python3). Exit status: non-zero if a test failed
+# or GPU bytes differ from the CPU's.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+RESULTS=benchmarks/results
+mkdir -p "$RESULTS"
+echo "== python: $($PY -c 'import sys; print(sys.executable, sys.version.split()[0])')"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+
+need=()
+for spec in numpy:numpy numba:numba ml_dtypes:ml_dtypes "cupy:cupy-cuda12x>=13" \
+            pytest:pytest pytest_timeout:pytest-timeout hypothesis:hypothesis; do
+  mod="${spec%%:*}"; pkg="${spec#*:}"
+  $PY -c "import $mod" 2>/dev/null || need+=("$pkg")
+done
+if ((${#need[@]})); then
+  echo "== pip install ${need[*]}"
+  $PY -m pip install --quiet "${need[@]}" || { echo "cannot install ${need[*]}"; exit 3; }
+fi
+# CuPy compiles kernels with NVRTC: take it from pip when no CUDA toolkit provides it
+if ! $PY -c "import cupy; cupy.cuda.nvrtc.getVersion()" 2>/dev/null; then
+  echo "== pip install nvidia-cuda-nvrtc-cu12"
+  $PY -m pip install --quiet nvidia-cuda-nvrtc-cu12 || { echo "no NVRTC for CuPy"; exit 3; }
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+echo "== tests (CGX_UCX_REQUIRE_GPU=1)"
+CGX_UCX_REQUIRE_GPU=1 $PY -m pytest -q -p no:cacheprovider -o addopts="" \
+  tests/test_gpu_codec.py tests/test_kernels_nvrtc.py 2>&1 | tee "$RESULTS/gpu_tests.txt"
+tests_rc=${PIPESTATUS[0]}
+
+echo "== throughput"
+$PY benchmarks/gpu_check.py --out "$RESULTS" "$@"
+bench_rc=$?
+
+if [ -n "${OUT:-}" ] && [ -d "${OUT}" ]; then
+  cp "$RESULTS/gpu_codec.json" "$RESULTS/gpu_tests.txt" "$OUT"/ 2>/dev/null || true
+fi
+echo "== tests exit $tests_rc, check exit $bench_rc"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
