@@ -1,0 +1,151 @@
+"""Codec throughput on the host: Numba kernels and the NumPy reference next to memcpy.
+
+``python -m cgx_ucx.bench codec [--sizes MiB ...] [--bits ...] [--repeat N] [--out DIR]``
+
+For each size (MiB of float32 input) and bit width it times, in the same run and on the
+same buffers: ``np.copyto`` of the input (memcpy; its GB/s are bytes read per second),
+``encode`` (round to nearest and stochastic) and ``decode_add`` with the Numba backend, and
+``encode``/``decode_add`` with the NumPy reference. Every figure is GB/s of float32 input
+(bytes of the float32 values / median time after warm-up), with ratios to memcpy and to
+the reference; the best times are kept too. The load average before and after is
+recorded: on a shared machine the parallel kernels wait for every thread, so other
+processes show up directly (compare the best times, or run with ``--threads 1``).
+
+Prints a table and writes ``codec.json`` (``benchmarks/results`` by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from ..compression import decode_add, encode, encoded_nbytes, reference
+from .report import format_table, write_json
+
+MIB = 1 << 20
+#: The reference is 50-100x slower: it gets at most this many timed repeats.
+REFERENCE_REPEAT = 3
+
+
+_BEST: dict[int, float] = {}  # id(fn) -> best time of the last _median_time call
+
+
+def _median_time(fn: Callable[[], Any], repeat: int, warmup: int = 2) -> float:
+    """Median wall time of ``repeat`` calls after ``warmup``; the best is kept in _BEST."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    _BEST[id(fn)] = min(times)
+    return statistics.median(times)
+
+
+def _timed(fn: Callable[[], Any], repeat: int, warmup: int = 2) -> tuple[float, float]:
+    """(median, best) seconds."""
+    med = _median_time(fn, repeat, warmup)
+    return med, _BEST.pop(id(fn))
+
+
+def run(
+    sizes_mib: list[float], bits_list: list[int], bucket: int, repeat: int, with_reference: bool
+) -> list[dict[str, Any]]:
+    rows = []
+    rng = np.random.default_rng(0)
+    for mib in sizes_mib:
+        n = int(mib * MIB) // 4
+        x = rng.standard_normal(n).astype(np.float32)
+        dst = np.empty_like(x)
+        acc = np.zeros(n, np.float32)
+        t_copy, b_copy = _timed(partial(np.copyto, dst, x), repeat)
+        for bits in bits_list:
+            out = np.empty(encoded_nbytes(n, bits, bucket), np.uint8)
+            t_enc, b_enc = _timed(partial(encode, x, bits, bucket, out=out), repeat)
+            t_sr = _median_time(
+                partial(encode, x, bits, bucket, out=out, stochastic=True, seed=1), repeat
+            )
+            t_add, b_add = _timed(partial(decode_add, out, acc), repeat)
+            row: dict[str, Any] = {"MiB": mib, "numel": n, "bits": bits}
+            row["memcpy_GBps"] = x.nbytes / t_copy / 1e9
+            row["memcpy_best_GBps"] = x.nbytes / b_copy / 1e9
+            row["encode_best_GBps"] = x.nbytes / b_enc / 1e9
+            row["decode_add_best_GBps"] = x.nbytes / b_add / 1e9
+            row["encode_GBps"] = x.nbytes / t_enc / 1e9
+            row["encode_sr_GBps"] = x.nbytes / t_sr / 1e9
+            row["decode_add_GBps"] = x.nbytes / t_add / 1e9
+            row["encode_vs_memcpy"] = t_copy / t_enc
+            row["decode_add_vs_memcpy"] = t_copy / t_add
+            if with_reference:
+                r = min(repeat, REFERENCE_REPEAT)
+                t_ref_enc = _median_time(partial(reference.encode, x, bits, bucket), r, 1)
+                t_ref_add = _median_time(partial(reference.decode_add, out, acc), r, 1)
+                row["ref_encode_GBps"] = x.nbytes / t_ref_enc / 1e9
+                row["ref_decode_add_GBps"] = x.nbytes / t_ref_add / 1e9
+                row["encode_vs_ref"] = t_ref_enc / t_enc
+                row["decode_add_vs_ref"] = t_ref_add / t_add
+            rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m cgx_ucx.bench codec", description=__doc__)
+    ap.add_argument("--sizes", type=float, nargs="+", default=[1, 16, 64], help="MiB of float32")
+    ap.add_argument("--bits", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--bucket", type=int, default=1024, help="bucket size (values)")
+    ap.add_argument("--repeat", type=int, default=10, help="timed repeats (median)")
+    ap.add_argument("--threads", type=int, default=None, help="Numba threads (default: all)")
+    ap.add_argument("--no-reference", action="store_true", help="skip the NumPy reference")
+    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    args = ap.parse_args(argv)
+
+    import numba
+
+    if args.threads:
+        numba.set_num_threads(args.threads)
+    threads = numba.get_num_threads()
+    load_before = os.getloadavg()
+    # compile (or load from the cache) before any timing
+    encode(np.zeros(1 << 17, np.float32), 4, args.bucket)
+    rows = run(args.sizes, args.bits, args.bucket, args.repeat, not args.no_reference)
+    load_after = os.getloadavg()
+
+    headers = ["MiB", "bits", "memcpy", "enc", "enc/memcpy", "enc best", "enc SR", "dec_add",
+               "add/memcpy"]  # fmt: skip
+    if not args.no_reference:
+        headers += ["ref enc", "enc/ref", "ref add", "add/ref"]
+    table = []
+    for r in rows:
+        line = [r["MiB"], r["bits"], r["memcpy_GBps"], r["encode_GBps"], r["encode_vs_memcpy"],
+                r["encode_best_GBps"], r["encode_sr_GBps"], r["decode_add_GBps"],
+                r["decode_add_vs_memcpy"]]  # fmt: skip
+        if not args.no_reference:
+            line += [r["ref_encode_GBps"], r["encode_vs_ref"], r["ref_decode_add_GBps"],
+                     r["decode_add_vs_ref"]]  # fmt: skip
+        table.append(line)
+    print(f"codec throughput, GB/s of float32 input; bucket {args.bucket}; Numba threads "
+          f"{threads}; load average {load_before[0]:.2f} -> {load_after[0]:.2f}")  # fmt: skip
+    print(format_table(headers, table))
+    path = write_json(
+        "codec",
+        {
+            "units": "GB/s of float32 input (memcpy: bytes read per second, np.copyto)",
+            "bucket_size": args.bucket,
+            "repeat": args.repeat,
+            "numba_threads": threads,
+            "loadavg_before": load_before,
+            "loadavg_after": load_after,
+            "rows": rows,
+        },
+        args.out,
+    )
+    print(f"wrote {path}")
+    return 0
