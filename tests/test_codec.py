@@ -290,6 +290,14 @@ def test_parallel_kernels_match_reference(dtype: np.dtype) -> None:
         acc = np.ones(n, np.float32)
         decode_add(a, acc)
         assert np.array_equal(acc, np.float32(1) + reference.decode(a, out=np.empty(n, np.float32)))
+        cpu.set_num_threads(1)  # the serial kernels on the same data
+        try:
+            assert np.array_equal(encode(x, bits, bucket, stochastic=stochastic, seed=3), a)
+            assert np.array_equal(decode(a), reference.decode(a))
+        finally:
+            cpu.set_num_threads(None)
+    with pytest.raises(ConfigError):
+        cpu.set_num_threads(0)
 
 
 def test_decode_into_other_float_dtypes(be: Backend) -> None:

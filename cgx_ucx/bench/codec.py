@@ -102,16 +102,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bits", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--bucket", type=int, default=1024, help="bucket size (values)")
     ap.add_argument("--repeat", type=int, default=10, help="timed repeats (median)")
-    ap.add_argument("--threads", type=int, default=None, help="Numba threads (default: all)")
+    ap.add_argument("--threads", type=int, default=None, help="codec threads (default: all cores)")
     ap.add_argument("--no-reference", action="store_true", help="skip the NumPy reference")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     args = ap.parse_args(argv)
 
-    import numba
+    from ..compression import cpu
 
     if args.threads:
-        numba.set_num_threads(args.threads)
-    threads = numba.get_num_threads()
+        cpu.set_num_threads(args.threads)
+    threads = cpu.num_threads()
     load_before = os.getloadavg()
     # compile (or load from the cache) before any timing
     encode(np.zeros(1 << 17, np.float32), 4, args.bucket)

@@ -26,6 +26,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
+from ..errors import ConfigError
 from .codec import BFLOAT16, HEADER_NBYTES, CodecHeader
 from .reference import GOLDEN, MIX1, MIX2, U_SHIFT, empty_bytes, empty_values, seed_key
 
@@ -36,11 +37,13 @@ __all__ = [
     "empty_values",
     "encode_into",
     "num_threads",
+    "set_num_threads",
     "warmup",
 ]
 
-#: Below this many values a call runs on the calling thread: waking Numba's thread pool
-#: costs tens of microseconds, more than quantizing 64 Ki values on one core (bench: codec).
+#: Below this many values a call runs on the calling thread. Measured here (2 cores,
+#: float32, 4 bits, B=1024): 16 Ki values take 4.4 us serial and 4.3 us parallel, 64 Ki
+#: 15 us and 9.6 us; small calls also stay clear of threads busy elsewhere.
 PARALLEL_MIN_NUMEL = 1 << 16
 
 _GOLDEN = np.uint64(GOLDEN)
@@ -429,9 +432,38 @@ def _chunking(hdr: CodecHeader) -> tuple[int, int]:
     return k, -(-hdr.nbuckets // k)
 
 
-def _nblocks(nchunks: int) -> int:
-    """Parallel blocks: one per Numba thread (each allocates one chunk of scratch)."""
-    return max(1, min(nchunks, numba.get_num_threads()))
+_threads: int | None = None  # set_num_threads(); None: Numba's default (all cores)
+
+
+def set_num_threads(n: int | None) -> None:
+    """Threads of the parallel kernels, for every calling thread; None restores all cores.
+
+    A parallel call waits for its slowest thread, so on a host shared with other busy
+    processes (several ranks per host, or torch's own threads during backward) a second
+    thread that is not scheduled costs a scheduler time slice, milliseconds. Give each
+    rank ``cores // local_ranks`` (1 disables the parallel kernels).
+    """
+    global _threads
+    if n is not None:
+        limit = int(numba.config.NUMBA_NUM_THREADS)
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= limit:
+            raise ConfigError(f"codec threads must be an integer in 1..{limit}, got {n!r}")
+    _threads = n
+
+
+def num_threads() -> int:
+    """Threads the parallel kernels use (set_num_threads, else Numba's, all cores)."""
+    return _threads if _threads is not None else int(numba.config.NUMBA_NUM_THREADS)
+
+
+def _parallel_blocks(n: int, nchunks: int) -> int:
+    """0 to run serially, else the parallel blocks (one per thread, each with a scratch)."""
+    threads = num_threads()
+    if threads == 1 or n < PARALLEL_MIN_NUMEL or nchunks < 2:
+        return 0
+    if numba.get_num_threads() != threads:  # Numba's setting is per calling thread
+        numba.set_num_threads(threads)
+    return min(nchunks, threads)
 
 
 def _meta_codes(buf: np.ndarray, hdr: CodecHeader) -> tuple[np.ndarray, np.ndarray]:
@@ -450,14 +482,14 @@ def encode_into(x: np.ndarray, hdr: CodecHeader, seed: int, buf: np.ndarray) -> 
     meta, codes = _meta_codes(buf, hdr)
     k, nchunks = _chunking(hdr)
     key = np.uint64(seed_key(seed))
-    kernel = _encode_parallel if n >= PARALLEL_MIN_NUMEL else _encode_serial
+    blocks = _parallel_blocks(n, nchunks)
+    kernel = _encode_parallel if blocks else _encode_serial
     kernel(_kernel_view(x), n, hdr.bits, hdr.bucket_size, k, hdr.stochastic, key, meta, codes,
-           nchunks, _nblocks(nchunks), min(k * hdr.bucket_size, n))  # fmt: skip
+           nchunks, blocks, min(k * hdr.bucket_size, n))  # fmt: skip
 
 
 def _decode(buf: np.ndarray, hdr: CodecHeader, out: np.ndarray, add: bool) -> None:
     n = hdr.numel
-    parallel = n >= PARALLEL_MIN_NUMEL
     target = _kernel_view(out)
     if target is None:  # an exotic float dtype (longdouble): decode to float32, then cast
         tmp = np.empty(n, dtype=np.float32)
@@ -469,14 +501,15 @@ def _decode(buf: np.ndarray, hdr: CodecHeader, out: np.ndarray, add: bool) -> No
         if not add and src.dtype == out.dtype:
             out[...] = src
             return
+        parallel = _parallel_blocks(n, 2) > 0
         (_convert_parallel if parallel else _convert_serial)(_kernel_view(src), target, add)
         return
     meta, codes = _meta_codes(buf, hdr)
     k, nchunks = _chunking(hdr)
-    kernel = _decode_parallel if parallel else _decode_serial
+    blocks = _parallel_blocks(n, nchunks)
+    kernel = _decode_parallel if blocks else _decode_serial
     nsc = min(k * hdr.bucket_size, n)  # scratch: one chunk of codes, never more than numel
-    kernel(codes, meta, n, hdr.bits, hdr.bucket_size, k, target, add, nchunks, _nblocks(nchunks),
-           nsc)  # fmt: skip
+    kernel(codes, meta, n, hdr.bits, hdr.bucket_size, k, target, add, nchunks, blocks, nsc)
 
 
 def decode_into(buf: np.ndarray, hdr: CodecHeader, out: np.ndarray) -> None:
@@ -504,8 +537,3 @@ def warmup(dtypes: tuple[Any, ...] = (np.float32,), parallel: bool = True) -> No
             encode_into(x, hdr, 0, buf)
             decode_into(buf, hdr, np.empty(n, dtype=dt))
             decode_add_into(buf, hdr, np.zeros(n, np.float32))
-
-
-def num_threads() -> int:
-    """Threads the parallel kernels use (Numba's, e.g. NUMBA_NUM_THREADS)."""
-    return int(numba.get_num_threads())
