@@ -16,7 +16,7 @@
 //                                 (warp per bucket, or the whole block for big buckets),
 //                                 then quantize + pack 8 values per thread (8 codes are
 //                                 exactly `bits` bytes); block 0 also writes the header.
-//   cgx_decode_{f32,f16,bf16,f64} grid-stride, one thread per 8 values.
+//   cgx_decode_{f32,f16,bf16,f64} grid-stride, a warp per 256 values (coalesced).
 //   cgx_decode_add                acc[i] = acc[i] + decoded value (float32), fused.
 //   cgx_raw_{f32,f16,bf16}_{f32,f16,bf16,f64,add}_{a,u}
 //                                 RAW (bits == 32) payload conversion / accumulation;
@@ -319,35 +319,40 @@ __device__ void cgx_encode(const void* x, cgx_i64 n, int bits, cgx_i64 bsize, in
 }
 
 // ---------------------------------------------------------------------------------------
-// decode / decode_add: one thread per 8 values, grid-stride
+// decode / decode_add: each warp takes 256 consecutive values, lane l the values
+// base + l + 32 j (j < 8), so loads and stores of values are coalesced; a value's code is
+// read from the one or two bytes holding its bits. Grid-stride over 256-value chunks.
 
 template <int OT, bool ADD>
 __device__ void cgx_decode(const cgx_u8* buf, cgx_i64 codes_off, cgx_i64 n, int bits,
                            cgx_i64 bsize, void* out) {
   const cgx_u8* meta = buf + CGX_HEADER_NBYTES;
   const cgx_u8* codes = buf + codes_off;
-  const cgx_u64 mask = (1ull << bits) - 1ull;
-  const cgx_i64 ngroups = (n + 7) / 8;
-  const cgx_i64 stride = (cgx_i64)gridDim.x * blockDim.x;
-  for (cgx_i64 g = (cgx_i64)blockIdx.x * blockDim.x + threadIdx.x; g < ngroups; g += stride) {
-    const cgx_i64 i0 = 8 * g;
-    const int m = (int)cgx_min64(8, n - i0);
-    cgx_i64 b = i0 / bsize;
-    cgx_i64 bend = (b + 1) * bsize;
-    float unit = cgx_get_f32(meta + 8 * b), mn = cgx_get_f32(meta + 8 * b + 4);
-    const cgx_u8* src = codes + g * bits;
-    const int nbytes = (m * bits + 7) / 8;
-    cgx_u64 word = 0;
-    for (int q = 0; q < nbytes; ++q) word |= (cgx_u64)src[q] << (8 * q);
-    for (int j = 0; j < m; ++j) {
-      const cgx_i64 i = i0 + j;
-      while (i >= bend) {
-        ++b;
-        bend += bsize;
+  const cgx_u32 mask = (1u << bits) - 1u;
+  const int lane = (int)threadIdx.x & (CGX_WARP - 1);
+  const cgx_i64 warps_per_block = blockDim.x / CGX_WARP;
+  const cgx_i64 nchunks = (n + 8 * CGX_WARP - 1) / (8 * CGX_WARP);
+  const cgx_i64 stride = (cgx_i64)gridDim.x * warps_per_block;
+  for (cgx_i64 w = (cgx_i64)blockIdx.x * warps_per_block + threadIdx.x / CGX_WARP; w < nchunks;
+       w += stride) {
+    const cgx_i64 base = w * (8 * CGX_WARP) + lane;
+    cgx_i64 b = -1, bend = 0;
+    float unit = 0.0f, mn = 0.0f;
+    for (int j = 0; j < 8; ++j) {
+      const cgx_i64 i = base + CGX_WARP * j;
+      if (i >= n) break;
+      if (i >= bend) {  // entered another bucket (bend starts at 0): one division
+        b = i / bsize;
+        bend = (b + 1) * bsize;
         unit = cgx_get_f32(meta + 8 * b);
         mn = cgx_get_f32(meta + 8 * b + 4);
       }
-      const float c = (float)(cgx_u32)((word >> (j * bits)) & mask);
+      const cgx_i64 bit = i * bits;
+      const cgx_u8* p = codes + (bit >> 3);
+      const int sh = (int)(bit & 7);
+      cgx_u32 word = p[0];
+      if (sh + bits > 8) word |= (cgx_u32)p[1] << 8;  // never reads past the last code byte
+      const float c = (float)((word >> sh) & mask);
       cgx_store<OT, ADD>(out, i, __fadd_rn(mn, __fmul_rn(unit, c)));
     }
   }

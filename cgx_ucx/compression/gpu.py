@@ -186,6 +186,7 @@ def decode_with_runner(run: Runner, buf: Any, hdr: CodecHeader, out: Any, add: b
         return
     name = f"cgx_decode_{target}"
     args = (bufp, hdr.codes_offset, n, hdr.bits, hdr.bucket_size, outp)
+    # one warp per 256 values: BLOCK threads cover 8 * BLOCK values
     run.launch(name, _grid(-(-n // 8), run.max_grid), BLOCK, typed_args(name, args))
 
 
