@@ -52,8 +52,10 @@ from ..errors import (
     RendezvousError,
     TransportError,
 )
+from . import progress as _progress
 from . import ucx as _ucx
 from .frames import FRAME_NBYTES, AbortCode, Frame, Kind
+from .progress import post_recv, post_send
 from .rendezvous import TOKEN_NBYTES, PeerAddress, Rendezvous, local_address_towards
 
 __all__ = ["MAX_WORLD_SIZE", "Mesh", "TransportStats"]
@@ -204,7 +206,18 @@ class Mesh:
         self._failed = self._loop.create_future()
         self._failed.add_done_callback(_consume)
         self._ucxx = _ucx.acquire(self.config.progress_mode, self.config.ucx_env)
+        drv = _progress.driver(self._loop)
+        if drv is not None:
+            drv.boost(True)
+        try:
+            await self._connect_all(rdzv, host)
+        finally:
+            if drv is not None:
+                drv.boost(False)
+
+    async def _connect_all(self, rdzv: Rendezvous, host: str) -> None:
         ucxx = self._ucxx
+        assert self._loop is not None
         self._accepted = {r: self._loop.create_future() for r in self.peers if r > self.rank}
         for f in self._accepted.values():
             f.add_done_callback(_consume)
@@ -276,17 +289,17 @@ class Mesh:
         self.peers[r].ctrl = ep
 
     async def _send_hello(self, ep: Any, kind: Kind) -> None:
-        await ep.send(np.frombuffer(self._hello(kind).pack(), np.uint8).copy())
-        await ep.send(np.frombuffer(self.token, np.uint8).copy())
+        await post_send(ep, np.frombuffer(self._hello(kind).pack(), np.uint8).copy(), None)
+        await post_send(ep, np.frombuffer(self.token, np.uint8).copy(), None)
 
     async def _recv_hello(self, ep: Any, kind: Kind) -> Frame:
         buf = np.empty(FRAME_NBYTES, np.uint8)
-        await ep.recv(buf)
+        await post_recv(ep, buf, None)
         frame = Frame.unpack(buf, job=self.job)
         if frame.kind != kind or frame.payload != TOKEN_NBYTES:
             raise ProtocolError(f"expected a {kind.name} frame, got kind {frame.kind}")
         tok = np.empty(TOKEN_NBYTES, np.uint8)
-        await ep.recv(tok)
+        await post_recv(ep, tok, None)
         if not hmac.compare_digest(tok.tobytes(), self.token):
             raise ProtocolError("wrong membership token")
         return frame
@@ -324,14 +337,8 @@ class Mesh:
         hello = np.frombuffer(self._hello(Kind.HELLO).pack(), np.uint8).copy()
         token = np.frombuffer(self.token, np.uint8).copy()
         for r, p in self.peers.items():
-            sends.append(
-                p.data.send(
-                    hello, tag=self.tag(0, self.rank, PHASE_HELLO, 0, False), force_tag=True
-                )
-            )
-            sends.append(
-                p.data.send(token, tag=self.tag(0, self.rank, PHASE_HELLO, 0, True), force_tag=True)
-            )
+            sends.append(post_send(p.data, hello, self.tag(0, self.rank, PHASE_HELLO, 0, False)))
+            sends.append(post_send(p.data, token, self.tag(0, self.rank, PHASE_HELLO, 0, True)))
             recvs.append(self._recv_data_hello(r, p))
         left = max(deadline - time.monotonic(), 0.001)
         try:
@@ -343,10 +350,10 @@ class Mesh:
 
     async def _recv_data_hello(self, r: int, p: _Peer) -> None:
         buf = np.empty(FRAME_NBYTES, np.uint8)
-        await p.data.recv(buf, tag=self.tag(0, r, PHASE_HELLO, 0, False), force_tag=True)
+        await post_recv(p.data, buf, self.tag(0, r, PHASE_HELLO, 0, False))
         frame = Frame.unpack(buf, job=self.job)
         tok = np.empty(TOKEN_NBYTES, np.uint8)
-        await p.data.recv(tok, tag=self.tag(0, r, PHASE_HELLO, 0, True), force_tag=True)
+        await post_recv(p.data, tok, self.tag(0, r, PHASE_HELLO, 0, True))
         if (
             frame.kind != Kind.HELLO
             or frame.src != r
@@ -405,7 +412,7 @@ class Mesh:
         errors = _ucx_errors()
         while True:
             try:
-                await p.ctrl.recv(buf)
+                await post_recv(p.ctrl, buf, None)
                 frame = Frame.unpack(buf, job=self.job)
                 if frame.src != p.rank:
                     raise ProtocolError(f"control frame from rank {p.rank} claims rank {frame.src}")
@@ -414,7 +421,7 @@ class Mesh:
                     if frame.payload > MAX_REASON_NBYTES:
                         raise ProtocolError(f"control payload of {frame.payload} bytes")
                     text = np.empty(frame.payload, np.uint8)
-                    await p.ctrl.recv(text)
+                    await post_recv(p.ctrl, text, None)
                     reason = text.tobytes().decode("utf-8", errors="replace")
             except asyncio.CancelledError:
                 return
@@ -490,7 +497,7 @@ class Mesh:
     ) -> None:
         ep = self.peers[rank].data
         nbytes = _nbytes(buf)
-        await self._guard(rank, ep.send(buf, tag=tag, force_tag=True), what, extra)
+        await self._guard(rank, post_send(ep, buf, tag), what, extra)
         self.stats.bytes_sent += nbytes
         self.stats.messages_sent += 1
 
@@ -498,7 +505,7 @@ class Mesh:
         self, rank: int, tag: int, buf: Any, what: str, extra: Iterable[asyncio.Future] = ()
     ) -> None:
         ep = self.peers[rank].data
-        await self._guard(rank, ep.recv(buf, tag=tag, force_tag=True), what, extra)
+        await self._guard(rank, post_recv(ep, buf, tag), what, extra)
         self.stats.bytes_received += _nbytes(buf)
         self.stats.messages_received += 1
 
@@ -573,9 +580,9 @@ class Mesh:
         text = reason.encode()[:MAX_REASON_NBYTES]
         frame = frame.with_(payload=len(text))
         try:
-            sends = [p.ctrl.send(np.frombuffer(frame.pack(), np.uint8).copy())]
+            sends = [post_send(p.ctrl, np.frombuffer(frame.pack(), np.uint8).copy(), None)]
             if text:
-                sends.append(p.ctrl.send(np.frombuffer(text, np.uint8).copy()))
+                sends.append(post_send(p.ctrl, np.frombuffer(text, np.uint8).copy(), None))
             await asyncio.wait_for(asyncio.gather(*sends), min(self.config.timeout, 5.0))
         except (TimeoutError, *_ucx_errors()) as exc:
             log.debug("rank %d: control frame to rank %d not sent: %s", self.rank, rank, exc)

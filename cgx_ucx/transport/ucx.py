@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import TransportError
+from . import progress as _progress
 
 __all__ = ["UCX_DEFAULTS", "acquire", "apply_env_defaults", "release", "ucxx_module"]
 
@@ -108,8 +109,13 @@ def acquire(progress_mode: str, ucx_env: Mapping[str, str] | None = None) -> Any
                 progress_mode,
                 ctx.progress_mode,
             )
-        # Make sure the calling loop drives progress (a no-op when it already does).
-        ucxx.core._get_ctx().continuous_ucx_progress(asyncio.get_running_loop())
+        # Make sure the calling loop drives progress (a no-op when it already does); in
+        # blocking mode with our own event-driven driver (see .progress for why).
+        loop = asyncio.get_running_loop()
+        ctx = ucxx.core._get_ctx()
+        ctx.continuous_ucx_progress(loop)
+        if ctx.progress_mode == "blocking":
+            _progress.install(ucxx, loop)
         _users += 1
         return ucxx
 
@@ -162,6 +168,7 @@ def release() -> None:
         ucxx = sys.modules.get("ucxx")
         if ucxx is None:
             return
+        _progress.uninstall_all()
         _stop_progress_tasks(ucxx)
         try:
             ucxx.reset()
