@@ -118,6 +118,9 @@ def test_rank_helpers_need_a_started_emulator() -> None:
 # ------------------------------------------------------------------ root + iproute2
 
 
+_RESOLVE_HOSTNAME = "import socket; print(socket.gethostbyname(socket.gethostname()))"
+
+
 @needs_netns
 @pytest.mark.netns
 @pytest.mark.timeout(30)
@@ -149,7 +152,16 @@ def test_setup_and_teardown_leave_nothing_behind() -> None:
             link.devices[1],
         }
         assert link.netem_available in (True, False)
+        # The hostname is the rank's own address inside its namespace (as on a node).
+        resolved = subprocess.run(
+            link.command(1, [sys.executable, "-c", _RESOLVE_HOSTNAME]),
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        assert resolved == link.addresses[1]
+        assert all((netns.NETNS_ETC / ns / "hosts").is_file() for ns in link.namespaces)
     assert _namespaces() == before
+    assert not any((netns.NETNS_ETC / ns).exists() for ns in link.namespaces)
     assert not _alive(sleeper.pid)
     assert link.close() == []  # idempotent
 
@@ -220,6 +232,7 @@ def test_leftovers_of_a_killed_run_are_removed_at_next_start() -> None:
     removed = cleanup_stale(PREFIX)  # what every start does first
     assert set(names) <= set(removed)
     assert not set(names) & _namespaces()
+    assert not any((netns.NETNS_ETC / ns).exists() for ns in names)
     deadline = time.monotonic() + 5
     while _alive(sleeper) and time.monotonic() < deadline:
         time.sleep(0.05)

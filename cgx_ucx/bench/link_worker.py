@@ -145,9 +145,9 @@ async def _allreduce_job(args: argparse.Namespace) -> dict[str, Any]:
     if cgx_bits:
         from ..collectives import connect
 
-        comm = await asyncio.wait_for(
-            connect(dist.PrefixStore("cgx", store), rank, world), args.timeout
-        )
+        # The TCPStore itself (its keys live under "cgx/"): the engine finds the address
+        # peers dial from the store's host, i.e. this rank's veth address.
+        comm = await asyncio.wait_for(connect(store, rank, world), args.timeout)
 
     async def barrier() -> None:
         await asyncio.wait_for(asyncio.to_thread(dist.barrier), args.timeout)

@@ -5,7 +5,9 @@ a link on one machine so the claim can be measured and repeated by anyone with r
 
 1. One network namespace per rank (``<prefix>-<pid>-<token>-r<rank>``), each with ``lo`` up
    and one veth device holding ``10.213.0.<rank+1>/24``. The subnet is private and exists
-   only inside these namespaces: nothing outside them is ever addressed.
+   only inside these namespaces: nothing outside them is ever addressed. Inside rank i's
+   namespace the machine's hostname resolves to rank i's address (``/etc/netns/<ns>/hosts``,
+   which ``ip netns exec`` mounts over ``/etc/hosts``), as on a cluster node.
 2. Two ranks: the two veth ends are joined directly. More ranks: each rank's veth goes to a
    bridge in a hub namespace (``...-hub``), i.e. a switch with one port per rank.
 3. Every egress device (the rank's veth, and for the bridge also the hub's port towards the
@@ -44,6 +46,7 @@ import secrets
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -83,6 +86,11 @@ IFNAMSIZ = 15
 #: Commodity Ethernet's MTU; a 1500-byte frame carries 1448 bytes of TCP payload with
 #: timestamps, so TCP sees at most ~95.6% of the shaped rate (measured here: 96% of 1 Gbit/s).
 DEFAULT_MTU = 1500
+#: ``ip netns exec NS`` bind-mounts ``/etc/netns/NS/*`` over ``/etc``: each rank namespace
+#: gets a ``hosts`` file there in which this machine's hostname is the rank's own address,
+#: as on a cluster node. Libraries that find "my address" from the hostname (the engine's
+#: rendezvous when it sees a PrefixStore, torch's c10d) then pick the veth, not loopback.
+NETNS_ETC = Path("/etc/netns")
 #: Every ip/tc call returns within this, or the setup fails (they take milliseconds).
 COMMAND_TIMEOUT_S = 20.0
 #: tbf burst floor: a veth hands GSO packets of up to 64 KiB to the qdisc, and tbf segments
@@ -202,8 +210,9 @@ def _delete_namespace(ns: str) -> str | None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
     # Deleting a namespace deletes its devices; a veth pair dies with either end, a bridge
-    # with its namespace, qdiscs with their device. Nothing else is ever created.
+    # with its namespace, qdiscs with their device. Besides, only its /etc/netns folder.
     done = _run(["ip", "netns", "del", ns], check=False)
+    shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
     if done.returncode != 0 and ns in _list_namespaces():
         return done.stderr.strip() or f"exit {done.returncode}"
     return None
@@ -221,7 +230,8 @@ def cleanup_stale(prefix: str = DEFAULT_PREFIX) -> list[str]:
     """
     pattern = _name_pattern(prefix)
     removed = []
-    for ns in _list_namespaces():
+    etc = sorted(p.name for p in NETNS_ETC.iterdir()) if NETNS_ETC.is_dir() else []
+    for ns in sorted(set(_list_namespaces()) | set(etc)):
         m = pattern.match(ns)
         if m is None or _pid_alive(int(m.group(1))):
             continue
@@ -371,14 +381,21 @@ class LinkEmulator:
             "available" if self.netem_available else "absent (no delay emulation)",
         )
 
-    def _add_namespace(self, ns: str) -> None:
+    def _add_namespace(self, ns: str, address: str | None = None) -> None:
         _run(["ip", "netns", "add", ns])
         self._created.append(ns)
         _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+        if address is not None:
+            host = socket.gethostname()
+            lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost", f"{address} {host}"]
+            lines += [f"{a} cgx-rank{i}" for i, a in enumerate(self.addresses)]
+            folder = NETNS_ETC / ns
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "hosts").write_text("\n".join(lines) + "\n")
 
     def _build(self) -> None:
-        for ns in self.namespaces:
-            self._add_namespace(ns)
+        for ns, addr in zip(self.namespaces, self.addresses, strict=True):
+            self._add_namespace(ns, addr)
         if self.hub is not None:
             self._add_namespace(self.hub)
             _run(["ip", "-n", self.hub, "link", "add", self._bridge, "type", "bridge"])
