@@ -27,28 +27,11 @@ import pytest
 from cgx_ucx.compression import encoded_nbytes, read_header, reference
 from cgx_ucx.compression import gpu as G
 from cgx_ucx.compression.codec import CodecHeader
+from cgx_ucx.errors import CodecError
 
 KERNEL_DIR = Path(__file__).resolve().parents[1] / "kernels"
 SOURCES = sorted(KERNEL_DIR.glob("*.cu"))
 BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-def nvrtc_compile(path: Path, arch: str) -> tuple[bytes, bytes | None]:
-    from cupy_backends.cuda.libs import nvrtc
-
-    prog = nvrtc.createProgram(path.read_text(), path.name, [], [])
-    try:
-        opts = [f"--gpu-architecture={arch}", *G.NVRTC_OPTIONS]
-        try:
-            nvrtc.compileProgram(prog, opts)
-        except nvrtc.NVRTCError as exc:
-            pytest.fail(f"{path.name} does not compile for {arch}:\n{nvrtc.getProgramLog(prog)}")
-            raise AssertionError from exc
-        ptx = nvrtc.getPTX(prog)
-        cubin = nvrtc.getCUBIN(prog) if arch.startswith("sm_") else None
-        return ptx, cubin
-    finally:
-        nvrtc.destroyProgram(prog)
 
 
 def test_there_are_kernel_sources() -> None:
@@ -59,15 +42,23 @@ def test_there_are_kernel_sources() -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: p.name)
 def test_nvrtc_compiles_for_sm90(path: Path) -> None:
-    ptx, _ = nvrtc_compile(path, "compute_90")
+    # the backend's own build function and options, on every source
+    ptx = G.compile_kernels("compute_90", path.read_text())
     assert len(ptx) > 1000
     entries = set(re.findall(rb"\.entry\s+(\w+)", ptx))
     if path.name == G.SOURCE:
         assert entries == {k.encode() for k in G.KERNELS}
     # IEEE float32 as on the CPU: no contraction into FMA, no flush to zero, exact division
     assert b"fma." not in ptx and b".ftz" not in ptx and b"div.approx" not in ptx
-    _, cubin = nvrtc_compile(path, "sm_90")
-    assert cubin is not None and len(cubin) > 1000 and cubin[:4] == b"\x7fELF"
+    cubin = G.compile_kernels("sm_90", path.read_text())
+    assert len(cubin) > 1000 and cubin[:4] == b"\x7fELF"
+
+
+def test_build_errors_are_codec_errors() -> None:
+    with pytest.raises(CodecError, match="NVRTC cannot build"):
+        G.compile_kernels("sm_90", 'extern "C" __global__ void k() { undefined_thing; }')
+    assert G.target_arch(90) == "sm_90"
+    assert G.target_arch(91).startswith("compute_")  # no NVRTC target: PTX of an older arch
 
 
 # ---------------------------------------------------------------------------------------
@@ -302,3 +293,13 @@ def test_typed_args_match_signatures() -> None:
     assert [a.dtype for a in args] == [np.uint64, np.int64, np.int64, np.int32, np.int64, np.uint64]
     with pytest.raises(AssertionError):
         G.typed_args("cgx_decode_add", (1, 2))
+
+
+@pytest.mark.timeout(120)
+def test_compiled_image_is_cached_on_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(G, "_cache_dir", lambda: tmp_path / "kernels")
+    first = G._image("sm_90")
+    files = list((tmp_path / "kernels").glob("quantize-sm_90-*.bin"))
+    assert len(files) == 1 and files[0].read_bytes() == first
+    monkeypatch.setattr(G, "compile_kernels", lambda *a: pytest.fail("not cached"))
+    assert G._image("sm_90") == first

@@ -1,10 +1,11 @@
 """GPU backend: the CUDA kernels of ``kernels/quantize.cu`` driven through CuPy.
 
 The kernels compute the function of :mod:`.reference` byte for byte (explicit
-round-to-nearest float32 intrinsics, compiled with ``--fmad=false --ftz=false``). The
-module is compiled lazily with NVRTC on first use and memoized per device; importing this
-module does not import CuPy (it is imported when a kernel is first needed), so the launch
-planning below is usable, and tested, without a GPU.
+round-to-nearest float32 intrinsics, compiled with ``--fmad=false --ftz=false``). They are
+compiled lazily with NVRTC on first use (a cubin for the GPU's architecture, cached on disk
+under ``~/.cache/cgx_ucx/kernels``) and loaded once per device; importing this module does
+not import CuPy, so the build and the launch planning below are usable, and tested,
+without a GPU.
 
 Every launch goes through a *runner* (:class:`CupyRunner` here; the tests use a CPU
 emulation of the same kernels) that takes the kernel name, grid, block and the arguments
@@ -16,8 +17,10 @@ CuPy's current stream of the arrays' device; nothing here synchronizes except
 
 from __future__ import annotations
 
+import hashlib
 import importlib.resources
 import math
+import os
 import threading
 from pathlib import Path
 from typing import Any, Protocol
@@ -33,6 +36,7 @@ __all__ = [
     "NVRTC_OPTIONS",
     "SIGNATURES",
     "CupyRunner",
+    "compile_kernels",
     "decode_add_into",
     "decode_into",
     "empty_bytes",
@@ -191,10 +195,73 @@ def decode_with_runner(run: Runner, buf: Any, hdr: CodecHeader, out: Any, add: b
 
 
 # ---------------------------------------------------------------------------------------
-# CuPy
+# building: NVRTC directly, not cupy.RawModule, because CuPy appends -ftz=true to every
+# NVRTC compile and the last option wins: subnormals would flush to zero on the GPU only.
+
+
+def compile_kernels(arch: str, source: str | None = None) -> bytes:
+    """Compile the kernels with NVRTC: a cubin for ``sm_XY``, PTX for ``compute_XY``.
+
+    Needs only the NVRTC library (no GPU). Raises CodecError with NVRTC's log on failure.
+    """
+    from cupy_backends.cuda.libs import nvrtc
+
+    src = kernel_source() if source is None else source
+    prog = nvrtc.createProgram(src, SOURCE, [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", *NVRTC_OPTIONS])
+        except nvrtc.NVRTCError as exc:
+            log = nvrtc.getProgramLog(prog)
+            raise CodecError(f"NVRTC cannot build {SOURCE} for {arch}:\n{log}") from exc
+        return bytes(nvrtc.getCUBIN(prog) if arch.startswith("sm_") else nvrtc.getPTX(prog))
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def target_arch(compute_capability: int) -> str:
+    """A cubin when NVRTC knows the GPU, else PTX of the newest older arch (driver JIT)."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    supported = [int(a) for a in nvrtc.getSupportedArchs()]
+    if compute_capability in supported:
+        return f"sm_{compute_capability}"
+    older = [a for a in supported if a <= compute_capability]
+    if not older:
+        raise CodecError(f"NVRTC supports no architecture for compute {compute_capability}")
+    return f"compute_{max(older)}"
+
+
+def _cache_dir() -> Path:
+    return Path.home() / ".cache" / "cgx_ucx" / "kernels"
+
+
+def _image(arch: str) -> bytes:
+    """The compiled kernels for ``arch``, from a disk cache keyed by source, options, NVRTC."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    src = kernel_source()
+    key = hashlib.sha256(repr((src, NVRTC_OPTIONS, arch, nvrtc.getVersion())).encode()).hexdigest()[
+        :24
+    ]
+    path = _cache_dir() / f"{Path(SOURCE).stem}-{arch}-{key}.bin"
+    try:
+        return path.read_bytes()
+    except OSError:
+        pass
+    image = compile_kernels(arch, src)
+    try:  # best effort: a read-only home only costs a compile per process
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(image)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return image
+
 
 _lock = threading.Lock()
-_modules: dict[int, Any] = {}  # device id -> cupy.RawModule
+_modules: dict[int, Any] = {}  # device id -> cupy.cuda.function.Module
 _functions: dict[tuple[int, str], Any] = {}
 
 
@@ -205,19 +272,19 @@ def _cupy() -> Any:
 
 
 def _function(device_id: int, name: str) -> Any:
-    """The compiled kernel ``name`` on ``device_id`` (module built once per device)."""
+    """The kernel ``name`` on ``device_id``; the module is built once per device."""
     fn = _functions.get((device_id, name))
     if fn is not None:
         return fn
     cupy = _cupy()
     with _lock:
-        mod = _modules.get(device_id)
-        if mod is None:
-            with cupy.cuda.Device(device_id):
-                mod = cupy.RawModule(code=kernel_source(), options=NVRTC_OPTIONS)
-                mod.compile()
-            _modules[device_id] = mod
-        with cupy.cuda.Device(device_id):
+        with cupy.cuda.Device(device_id) as dev:
+            mod = _modules.get(device_id)
+            if mod is None:
+                cc = int(dev.compute_capability)
+                mod = cupy.cuda.function.Module()
+                mod.load(_image(target_arch(cc)))
+                _modules[device_id] = mod
             fn = mod.get_function(name)
         _functions[(device_id, name)] = fn
     return fn
@@ -234,7 +301,8 @@ class CupyRunner:
         self.max_grid = int(props["multiProcessorCount"]) * BLOCKS_PER_SM
 
     def launch(self, name: str, grid: int, block: int, args: tuple[Any, ...]) -> None:
-        _function(self.device_id, name)((grid,), (block,), args)
+        stream = self._cupy.cuda.get_current_stream()
+        _function(self.device_id, name)((grid,), (block,), args, stream=stream)
 
     def ptr(self, a: Any) -> int:
         return int(a.data.ptr)
