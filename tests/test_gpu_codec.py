@@ -175,3 +175,19 @@ def test_error_feedback_on_gpu(cp: Any) -> None:
         b = ef_cpu.encode("w", x, 2, 256, seed=step)
         assert np.array_equal(host(a), b)
     assert np.array_equal(ef_gpu.state_dict()["w"], ef_cpu.state_dict()["w"])
+
+
+@pytest.mark.timeout(60)
+def test_subnormals_are_not_flushed(cp: Any) -> None:
+    # CuPy's RawModule would compile with -ftz=true; the backend must not flush subnormals
+    rng = np.random.default_rng(3)
+    f32 = (rng.standard_normal(5000) * 1e-39).astype(np.float32)  # float32 subnormals
+    f16 = (rng.standard_normal(5000) * 1e-6).astype(np.float16)  # float16 subnormals
+    for x in (f32, f16):
+        for bits in (2, 8, 32):
+            for stochastic in (False, True):
+                got = encode(cp.asarray(x), bits, 128, stochastic=stochastic, seed=1)
+                want = reference.encode(x, bits, 128, stochastic=stochastic, seed=1)
+                assert np.array_equal(host(got), want)
+            y = decode(cp.asarray(want), out=cp.empty(5000, cp.float32))
+            assert np.array_equal(host(y), reference.decode(want, out=np.empty(5000, np.float32)))
