@@ -1,0 +1,209 @@
+"""Transport pieces that need no second process: frame validation (fuzzed), chunk
+plans, the file store of the harness, UCX environment defaults, the progress driver
+(no busy waiting), and a one-process mesh."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import struct
+import time
+import zlib
+
+import numpy as np
+import pytest
+from harness import DirStore, run_ranks
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cgx_ucx.collectives.plan import make_plan
+from cgx_ucx.errors import ProtocolError
+from cgx_ucx.layout import LayerSpec, Layout
+from cgx_ucx.transport import ucx as ucx_env
+from cgx_ucx.transport.frames import FRAME_NBYTES, MAX_PAYLOAD_NBYTES, Frame, Kind
+from cgx_ucx.transport.rendezvous import PeerAddress
+
+# -- frames -------------------------------------------------------------------------------
+
+
+def test_frame_round_trip():
+    f = Frame(
+        kind=Kind.DATA,
+        job=0xDEADBEEF,
+        seq=7,
+        src=3,
+        phase=2,
+        slot=9,
+        numel=12345,
+        digest=2**63 + 5,
+        payload=4096,
+        count=4,
+        dtype=1,
+        bits=4,
+        algorithm=1,
+        flags=1,
+    )
+    raw = f.pack()
+    assert len(raw) == FRAME_NBYTES
+    assert Frame.unpack(np.frombuffer(raw, np.uint8), job=0xDEADBEEF) == f
+
+
+@pytest.mark.parametrize("offset", range(0, FRAME_NBYTES, 5))
+def test_any_flipped_byte_is_a_protocol_error(offset):
+    raw = bytearray(Frame(kind=Kind.SIG, job=1, seq=1).pack())
+    raw[offset] ^= 0x5A
+    with pytest.raises(ProtocolError):
+        Frame.unpack(raw, job=1)
+
+
+def test_foreign_job_truncated_and_oversized_frames():
+    raw = Frame(kind=Kind.SIG, job=1).pack()
+    with pytest.raises(ProtocolError, match="foreign job"):
+        Frame.unpack(raw, job=2)
+    with pytest.raises(ProtocolError):
+        Frame.unpack(raw[:40], job=1)
+    # A correct CRC over an announced payload above the bound: still refused.
+    big = bytearray(Frame(kind=Kind.DATA, job=1, payload=MAX_PAYLOAD_NBYTES + 1).pack())
+    with pytest.raises(ProtocolError, match="bound"):
+        Frame.unpack(big, job=1)
+    # Unknown kind with a valid CRC.
+    bad = bytearray(raw)
+    bad[5] = 99
+    bad[60:] = struct.pack("<I", zlib.crc32(bytes(bad[:60])))
+    with pytest.raises(ProtocolError, match="kind"):
+        Frame.unpack(bad, job=1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(min_size=0, max_size=80))
+def test_random_bytes_only_ever_raise_protocol_error(data):
+    with contextlib.suppress(ProtocolError):
+        Frame.unpack(data, job=1)
+
+
+def test_peer_address_round_trip_and_bounds():
+    a = PeerAddress("10.0.0.1", 4242, b"\x01" * 300)
+    b = PeerAddress.unpack(a.pack())
+    assert (b.host, b.port, b.worker_address) == (a.host, a.port, a.worker_address)
+    from cgx_ucx.errors import RendezvousError
+
+    with pytest.raises(RendezvousError):
+        PeerAddress.unpack(a.pack()[:-1])
+
+
+# -- plans --------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 5000), min_size=1, max_size=6),
+    bits=st.lists(st.sampled_from([2, 4, 8, 32]), min_size=6, max_size=6),
+    buckets=st.lists(st.integers(1, 700), min_size=6, max_size=6),
+    world=st.integers(1, 5),
+    piece=st.integers(1, 3000),
+)
+def test_plan_cuts_only_at_bucket_multiples(sizes, bits, buckets, world, piece):
+    layout = Layout.from_sizes(sizes, bits=bits[: len(sizes)], bucket_sizes=buckets[: len(sizes)])
+    plan = make_plan(layout, world, piece, 1000)
+    assert len(plan.chunks) == world
+    pos = 0
+    for chunk in plan.chunks:
+        assert chunk.start == pos and len(chunk.pieces) >= 1
+        for p in chunk.pieces:
+            assert p.start == pos
+            for seg in p.segments:
+                spec = layout.layers[seg.layer]
+                assert spec.offset <= seg.start < seg.stop <= spec.end
+                if spec.compressed:
+                    assert (seg.start - spec.offset) % spec.bucket_size == 0
+            assert sum(s.numel for s in p.segments) == p.numel
+            pos = p.stop
+        assert chunk.stop == pos
+    assert pos == layout.numel
+
+
+def test_plan_is_balanced_for_uniform_layouts():
+    plan = make_plan(Layout.uniform(1 << 20, 4, 1024), 3, 1 << 18, 100)
+    sizes = [c.numel for c in plan.chunks]
+    assert max(sizes) - min(sizes) <= 1024
+    assert all(len(c.pieces) == 2 for c in plan.chunks)
+
+
+def test_mixed_layout_chunks_respect_each_layer():
+    layout = Layout(
+        (LayerSpec(0, 1000, 4, 300), LayerSpec(1000, 7, 32), LayerSpec(1007, 999, 2, 128))
+    )
+    plan = make_plan(layout, 4, 10_000, 10)
+    cuts = [c.start for c in plan.chunks[1:]]
+    for c in cuts:
+        assert c in (0, 300, 600, 900, 1000) or 1000 <= c <= 1007 or (c - 1007) % 128 == 0
+
+
+# -- store, environment ------------------------------------------------------------------
+
+
+def test_dir_store(tmp_path):
+    s = DirStore(tmp_path)
+    assert s.add("n", 1) == 1 and s.add("n", 2) == 3
+    s.set("k", b"v")
+    assert s.get("k") == b"v" and s.check(["k"]) and not s.check(["nope"])
+    with pytest.raises(TimeoutError):
+        s.wait(["nope"], 0.05)
+
+
+def test_ucx_defaults_never_override_the_user(monkeypatch):
+    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "64K")
+    monkeypatch.delenv("UCX_TCP_RX_SEG_SIZE", raising=False)
+    try:
+        applied = ucx_env.apply_env_defaults({"UCX_CGX_TEST_EXTRA": "y"})
+    finally:
+        os.environ.pop("UCX_CGX_TEST_EXTRA", None)
+    assert os.environ["UCX_TCP_TX_SEG_SIZE"] == "64K"
+    assert os.environ["UCX_TCP_RX_SEG_SIZE"] == "1M"
+    assert applied == {"UCX_TCP_RX_SEG_SIZE": "1M", "UCX_CGX_TEST_EXTRA": "y"}
+
+
+# -- a real UCX context in a child: idle CPU, env applied, clean shutdown ----------------
+
+
+async def idle_and_shutdown(ctx):
+    import threading
+
+    from cgx_ucx.collectives import connect
+    from cgx_ucx.config import CommConfig
+
+    comm = await connect(ctx.store, ctx.rank, ctx.world_size, config=CommConfig(timeout=20))
+    await comm.barrier()  # requests completed; control receives stay posted
+    c0 = time.process_time()
+    await asyncio.sleep(1.0)
+    idle_cpu = time.process_time() - c0
+    env = {
+        k: os.environ.get(k)
+        for k in ("UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE", "UCX_MEMTYPE_CACHE")
+    }
+    await comm.close()
+    import ucxx
+
+    left = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    # Everything but this coroutine and the harness's wrapper around it.
+    tasks = [
+        t
+        for t in asyncio.all_tasks()
+        if t is not asyncio.current_task() and "harness.py" not in repr(t)
+    ]
+    return idle_cpu, env, left, [repr(t)[:300] for t in tasks], ucxx.core._ctx is None
+
+
+@pytest.mark.timeout(60)
+def test_idle_communicator_does_not_spin_and_closes_cleanly():
+    results = run_ranks(idle_and_shutdown, 2, timeout=50, env={"UCX_TCP_TX_SEG_SIZE": "128K"})
+    for idle_cpu, env, threads, tasks, reset in results:
+        # ucxx's own blocking driver kept a core busy here (~1 s of CPU per second).
+        assert idle_cpu < 0.2, idle_cpu
+        assert env == {
+            "UCX_TCP_TX_SEG_SIZE": "128K",
+            "UCX_TCP_RX_SEG_SIZE": "1M",
+            "UCX_MEMTYPE_CACHE": None,
+        }
+        assert threads == [] and tasks == [] and reset
