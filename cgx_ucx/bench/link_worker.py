@@ -5,8 +5,9 @@ Not a command for users: it expects the environment :meth:`LinkEmulator.rank_env
 
 ``allreduce``: for every size, gloo's all_reduce and cgx_ucx's allreduce at every bit width
 on the same buffers in the same processes, one after the other, each iteration started by a
-barrier. Per iteration the rank records its wall time and the bytes its shaped device sent
-(``/sys/class/net/<dev>/statistics/tx_bytes``: what really went on the wire). The first
+barrier (the ranks agree on the number of iterations). Per iteration the rank records its
+wall time and the bytes its shaped device sent (``/sys/class/net/<dev>/statistics/
+tx_bytes``: what really went on the wire). The first
 iteration of each (size, method) is a warm-up, kept out of the timing and used to check the
 numbers: gloo's result is the reference; cgx_ucx's error against it is recorded.
 
@@ -152,6 +153,18 @@ async def _allreduce_job(args: argparse.Namespace) -> dict[str, Any]:
     async def barrier() -> None:
         await asyncio.wait_for(asyncio.to_thread(dist.barrier), args.timeout)
 
+    async def agree(want: bool) -> bool:
+        """A barrier that also agrees on going on: one more iteration if any rank wants it.
+
+        The budget is wall time, which ranks see differently; deciding alone, one rank
+        would wait in an iteration its peers never start.
+        """
+        flag = torch.tensor([int(want)], dtype=torch.int32)
+        await asyncio.wait_for(
+            asyncio.to_thread(dist.all_reduce, flag, op=dist.ReduceOp.MAX), args.timeout
+        )
+        return bool(flag.item())
+
     record: dict[str, Any] = {"rank": rank, "world_size": world, "results": []}
     if rank == 0 and cgx_bits:
         _progress(rank, phase="codec")
@@ -172,8 +185,9 @@ async def _allreduce_job(args: argparse.Namespace) -> dict[str, Any]:
                 err: dict[str, float] = {}
                 start = time.monotonic()
                 it = 0
-                while it <= args.min_iters or (
-                    it <= args.max_iters and time.monotonic() - start < args.budget
+                while await agree(
+                    it <= args.min_iters
+                    or (it <= args.max_iters and time.monotonic() - start < args.budget)
                 ):
                     buf[:] = x0
                     await barrier()
