@@ -1,7 +1,7 @@
 """``python -m cgx_ucx.bench train``: compression policies against uncompressed, in training.
 
 The same model, data, seed and data order are trained once per policy, side by side in one
-run, by ``--world`` ranks (2) on the ``cgx`` backend:
+run, by ``--world`` ranks (2) on the cgx_ucx engine:
 
 ``none``
     every layer uncompressed (bits 32) through the same engine: the baseline;
@@ -28,8 +28,10 @@ identical assignments; a difference fails the run.
 
 ``--link-rate 1gbit`` runs the ranks in network namespaces joined by a shaped link
 (:mod:`cgx_ucx.bench.netns`, needs root and iproute2), the commodity-link setting where
-compression pays; without it the ranks talk over loopback. Output: a table and
-``benchmarks/results/train.json`` (``train_<rate>.json`` with a link rate).
+compression pays; without it the ranks talk over loopback. The ranks use the engine
+directly (:func:`~cgx_ucx.engine.connect_sync` on a TCPStore at ``MASTER_ADDR``).
+Output: a table and ``benchmarks/results/train.json`` (``train_<rate>.json`` with a link
+rate).
 """
 
 from __future__ import annotations
@@ -290,16 +292,25 @@ def _worker(args: argparse.Namespace, policies: list[str]) -> int:
     import torch
     import torch.distributed as dist
 
-    import cgx_ucx.torch  # noqa: F401 - registers the cgx backend
-    from cgx_ucx.torch import get_communicator
+    from ..config import CommConfig
+    from ..engine import connect_sync
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world))  # ranks share cores
-    dist.init_process_group("cgx", timeout=datetime.timedelta(seconds=args.timeout))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != args.world:
+        raise RuntimeError(f"launched {world} ranks, --world is {args.world}")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the ranks share cores
+    # The engine straight on a TCPStore at MASTER_ADDR: peers then dial the address that
+    # routes to it (the veth of an emulated link), not the host name's.
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=rank == 0,
+        timeout=datetime.timedelta(seconds=args.timeout),
+    )
+    cfg = CommConfig(timeout=args.timeout, connect_timeout=min(args.timeout, 120.0))
+    comm = connect_sync(store, rank, world, config=cfg)
     try:
-        comm = get_communicator()
-        rank, world = dist.get_rank(), dist.get_world_size()
-        if world != args.world:
-            raise RuntimeError(f"launched {world} ranks, --world is {args.world}")
         # compile the codec before anything is timed
         warm = np.ones(4096, np.float32)
         comm.allreduce(warm, op="sum", bits=4).result(args.timeout)
@@ -329,8 +340,9 @@ def _worker(args: argparse.Namespace, policies: list[str]) -> int:
         }
         if rank == 0:
             print(RESULT_TAG + json.dumps(record), flush=True)
+        comm.barrier().result(args.timeout)  # rank 0's store outlives the others' use
     finally:
-        dist.destroy_process_group()
+        comm.close()
     return 0
 
 

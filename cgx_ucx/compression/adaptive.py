@@ -55,6 +55,7 @@ values per layer and candidate, only on the few steps before a decision.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import inspect
 import logging
@@ -113,9 +114,9 @@ PAPER_LAYER_MIN_SIZE = 1024
 #: candidates cost about 3 ms per layer on this 2-core host (NumPy), and 64 buckets keep
 #: the sampling error of heavy-tailed gradients near 10% (tests/test_adaptive.py).
 DEFAULT_SAMPLE_VALUES = 65536
-#: Bytes of one link-probe allreduce: 4 MiB takes 34 ms at 1 Gbit/s, long enough that
-#: per-message latency is a few percent, short enough to probe at every drift.
-DEFAULT_PROBE_BYTES = 4 << 20
+#: Bytes of one link-probe allreduce: 2 MiB takes 17 ms at 1 Gbit/s, long enough that
+#: per-message latency is a few percent, short enough to probe again at every drift.
+DEFAULT_PROBE_BYTES = 2 << 20
 #: Seconds any collective of :func:`agree` may take (CommConfig's default timeout).
 DEFAULT_TIMEOUT = 300.0
 
@@ -1351,7 +1352,7 @@ def make_link_probe(
     nbytes: int = DEFAULT_PROBE_BYTES,
     bits: int = 4,
     bucket_size: int = 1024,
-    repeats: int = 3,
+    repeats: int = 2,
     world_size: int | None = None,
     timeout: float = DEFAULT_TIMEOUT,
 ) -> Callable[[], ProbeValue | Awaitable[ProbeValue]]:
@@ -1366,7 +1367,9 @@ def make_link_probe(
        left after its wire time is the engine's whole compressed path (kernels, staging,
        thread hand-offs), expressed as one effective codec rate for both directions:
        ``4n * (1 + (2w-1)/w) / (t_q - wire time)`` (the work :func:`layer_seconds` counts).
-       Bare kernel rates (:func:`probe_codec`) were 3-5x optimistic here.
+       Bare kernel rates (:func:`probe_codec`) were 3-5x optimistic here. Where the engine
+       hides the codec behind the wire (a slow link) the rate comes out very large: the
+       codec is then free, which is what the decision needs to know.
     3. ``overhead_s`` per codec call: the same (up to) 64 Ki values compressed as 32
        layers instead of one, the extra time divided by 32 layers x 3 calls.
 
@@ -1462,13 +1465,15 @@ class AutoPolicy(Policy):
        :func:`layer_seconds` compressed ``< (1 - min_gain)`` times uncompressed. Small
        layers stay uncompressed because of the per-call overhead; on a fast link every
        layer does, on a slow one every large layer is compressed.
-    3. Drift: the caller reports step times (:meth:`record_step_time`); an EWMA with
-       ``ewma_alpha`` (0.2: a time constant of about 5 steps) is compared with the EWMA
-       measured ``settle`` steps after the last decision. Every ``check_every`` steps the
-       ranks all-reduce a drift flag; when any rank's EWMA moved by more than
-       ``drift_threshold`` (30%: above the step-time jitter of a shared 2-core host,
-       below the 2x that a wrong choice costs on a slow link) the link and codec are
-       probed again and the assignment recomputed.
+    3. Drift: the caller reports step times (:meth:`record_step_time`). The baseline is
+       the median of the first ``drift_window`` (20) steps after a decision, the current
+       level the median of the last 20; every ``check_every`` steps the ranks all-reduce
+       a drift flag, and when any rank's level moved by more than ``drift_threshold``
+       (30%: well below the 2x a wrong choice costs on a slow link) the link and codec
+       are probed again and the assignment recomputed. An EWMA with a 5-step time
+       constant was tried first: on this shared 2-core host single steps spike 3-10x
+       when other processes run, and it re-probed every few checks (each probe costs
+       about ten 2 MiB allreduces); medians ignore such spikes.
     """
 
     name = "auto"
@@ -1484,9 +1489,8 @@ class AutoPolicy(Policy):
         codec: CodecCost | None = None,
         codec_probe: Callable[[], CodecCost] | None = None,
         check_every: int = 50,
-        ewma_alpha: float = 0.2,
+        drift_window: int = 20,
         drift_threshold: float = 0.3,
-        settle: int = 10,
         min_gain: float = 0.0,
         **kwargs: Any,
     ) -> None:
@@ -1497,8 +1501,6 @@ class AutoPolicy(Policy):
             raise ConfigError(f"link_bandwidth must be > 0 bytes/s, got {link_bandwidth!r}")
         if link_bandwidth is None and link_probe is None and self.world_size > 1:
             raise ConfigError("auto policy needs link_bandwidth or link_probe")
-        if not 0 < ewma_alpha <= 1:
-            raise ConfigError(f"ewma_alpha must be in (0, 1], got {ewma_alpha!r}")
         if not drift_threshold > 0:
             raise ConfigError(f"drift_threshold must be > 0, got {drift_threshold!r}")
         if not 0 <= min_gain < 1:
@@ -1513,11 +1515,10 @@ class AutoPolicy(Policy):
         self._probe_codec: CodecCost | None = None  # the link probe's (ranks' mean)
         self.codec_probe = codec_probe
         self.check_every = _check_positive_int(check_every, "check_every")
-        self.ewma_alpha = float(ewma_alpha)
         self.drift_threshold = float(drift_threshold)
-        self.settle = _check_positive_int(settle, "settle")
+        self.drift_window = _check_positive_int(drift_window, "drift_window")
         self.min_gain = float(min_gain)
-        self._ewma = float("nan")
+        self._recent: collections.deque[float] = collections.deque(maxlen=self.drift_window)
         self._baseline = float("nan")
         self._since = 0
         self._probed = False
@@ -1529,20 +1530,18 @@ class AutoPolicy(Policy):
         """One step's wall time (cheap; call every step)."""
         if not (math.isfinite(seconds) and seconds >= 0):
             return
-        self._ewma = (
-            seconds
-            if math.isnan(self._ewma)
-            else self.ewma_alpha * seconds + (1 - self.ewma_alpha) * self._ewma
-        )
+        self._recent.append(float(seconds))
         self._since += 1
-        if self._since == self.settle:
-            self._baseline = self._ewma
+        if self._since == self.drift_window:
+            self._baseline = float(np.median(self._recent))
 
     @property
     def drifted(self) -> bool:
-        """True when the step-time EWMA moved more than ``drift_threshold`` from baseline."""
+        """True when the recent median step time moved more than ``drift_threshold``."""
         b = self._baseline
-        return bool(b > 0 and abs(self._ewma / b - 1.0) > self.drift_threshold)
+        if not b > 0 or len(self._recent) < self.drift_window:
+            return False
+        return bool(abs(float(np.median(self._recent)) / b - 1.0) > self.drift_threshold)
 
     # -- protocol -------------------------------------------------------------------------
     def _statistics(self) -> np.ndarray:
@@ -1630,7 +1629,7 @@ class AutoPolicy(Policy):
             bits.append(b)
             buckets.append(self.config.bucket_size)
         # a new regime: measure a new baseline
-        self._ewma = float("nan")
+        self._recent.clear()
         self._baseline = float("nan")
         self._since = 0
         return Assignment(tuple(bits), tuple(buckets), step)
@@ -1645,7 +1644,7 @@ class AutoPolicy(Policy):
             "link_bandwidth": float("nan") if self.link_bandwidth is None else self.link_bandwidth,
             "codec": vec(self.codec),
             "probe_codec": vec(self._probe_codec),
-            "ewma": self._ewma,
+            "recent": np.array(self._recent, np.float64),
             "baseline": self._baseline,
             "since": self._since,
             "probed": self._probed,
@@ -1659,13 +1658,15 @@ class AutoPolicy(Policy):
         bw = float(state["link_bandwidth"])
         codec = cost(state["codec"])
         probe_codec_ = cost(state["probe_codec"])
-        ewma, baseline = float(state["ewma"]), float(state["baseline"])
+        recent = np.asarray(state["recent"], np.float64).reshape(-1)[-self.drift_window :]
+        baseline = float(state["baseline"])
         since, probed = int(state["since"]), bool(state["probed"])
         self.link_bandwidth = None if math.isnan(bw) else bw
         if not self._codec_given:
             self.codec = codec
         self._probe_codec = probe_codec_
-        self._ewma, self._baseline, self._since, self._probed = ewma, baseline, since, probed
+        self._recent = collections.deque(recent.tolist(), maxlen=self.drift_window)
+        self._baseline, self._since, self._probed = baseline, since, probed
 
 
 # =======================================================================================
