@@ -98,6 +98,24 @@ __device__ __forceinline__ float cgx_load<2>(const void* x, cgx_i64 i) {
   return cgx_bf16_to_f32(((const cgx_u16*)x)[i]);
 }
 
+// 8 values from x + i0 (16-byte aligned): two float4, or one uint4 of 16-bit patterns
+template <int DT>
+__device__ __forceinline__ void cgx_load8(const void* x, cgx_i64 i0, float* v) {
+  if (DT == 0) {
+    const float4* p = (const float4*)((const float*)x + i0);
+    const float4 a = p[0], b = p[1];
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+    v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+  } else {
+    const uint4 a = *(const uint4*)((const cgx_u16*)x + i0);
+    const cgx_u32 w[4] = {a.x, a.y, a.z, a.w};
+    for (int k = 0; k < 4; ++k) {
+      v[2 * k] = DT == 1 ? cgx_f16_to_f32(w[k] & 0xFFFFu) : cgx_bf16_to_f32(w[k] & 0xFFFFu);
+      v[2 * k + 1] = DT == 1 ? cgx_f16_to_f32(w[k] >> 16) : cgx_bf16_to_f32(w[k] >> 16);
+    }
+  }
+}
+
 // the same from a byte address of unknown alignment (RAW payloads)
 template <int DT>
 __device__ __forceinline__ float cgx_load_bytes(const cgx_u8* p, cgx_i64 i) {
@@ -292,11 +310,19 @@ __device__ void cgx_encode(const void* x, cgx_i64 n, int bits, cgx_i64 bsize, in
   }
   __syncthreads();
 
-  // phase 2: 8 values per thread -> one 64-bit word -> `bits` bytes (tile values are hot)
+  // phase 2: 8 values per thread -> one 64-bit word -> `bits` bytes (tile values are hot);
+  // 16-byte vector loads when the values are 16-byte aligned (i0 is a multiple of 8)
+  const bool vec = ((unsigned long long)x & 15ull) == 0ull;
   const cgx_i64 ngroups = (te - ts + 7) / 8;
   for (cgx_i64 g = tid; g < ngroups; g += blockDim.x) {
     const cgx_i64 i0 = ts + 8 * g;
     const int m = (int)cgx_min64(8, te - i0);
+    float v[8];
+    if (vec && m == 8) {
+      cgx_load8<DT>(x, i0, v);
+    } else {
+      for (int j = 0; j < m; ++j) v[j] = cgx_load<DT>(x, i0 + j);
+    }
     int lb = (int)((i0 - ts) / bsize);
     cgx_i64 bend = ts + (cgx_i64)(lb + 1) * bsize;
     float unit = s_unit[lb], mn = s_min[lb];
@@ -309,7 +335,7 @@ __device__ void cgx_encode(const void* x, cgx_i64 n, int bits, cgx_i64 bsize, in
         unit = s_unit[lb];
         mn = s_min[lb];
       }
-      cgx_u32 c = cgx_code(cgx_load<DT>(x, i), mn, unit, levels, stochastic, key, i);
+      cgx_u32 c = cgx_code(v[j], mn, unit, levels, stochastic, key, i);
       word |= (cgx_u64)c << (j * bits);
     }
     cgx_u8* dst = codes + (i0 / 8) * bits;

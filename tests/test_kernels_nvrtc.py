@@ -74,6 +74,8 @@ SHIM = r"""
 #include <vector>
 
 struct dim3 { unsigned int x = 1, y = 1, z = 1; };
+struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(16) uint4 { unsigned int x, y, z, w; };
 static thread_local dim3 threadIdx, blockIdx;
 static dim3 blockDim, gridDim;
 #define __global__
@@ -219,35 +221,45 @@ def make(n: int, dtype: np.dtype, seed: int) -> np.ndarray:
     return x
 
 
+F32, F16 = np.dtype(np.float32), np.dtype(np.float16)
+ALL = (F32, F16, BF16)
 CASES = [
-    # n, bits, bucket: warp-per-bucket tiles, block-reduced big buckets, buckets not % 8,
-    # short last tiles and buckets, tiny buckets, groups crossing buckets
-    (0, 4, 1024),
-    (1, 1, 1024),
-    (13, 3, 4),
-    (300, 2, 1),
-    (1001, 5, 3),
-    (5000, 4, 1024),
-    (9000, 8, 512),
-    (3000, 7, 100),
-    (2500, 6, 2048),
-    (4099, 4, 1000),
-    (600, 3, 7),
+    # n, bits, bucket, dtypes: warp-per-bucket tiles, block-reduced big buckets, buckets
+    # not % 8, short last tiles and buckets, tiny buckets, groups crossing buckets (the
+    # emulation runs 256 threads per block, so the slow tiny-bucket cases take one dtype)
+    (0, 4, 1024, ALL),
+    (1, 1, 1024, ALL),
+    (13, 3, 4, ALL),
+    (300, 2, 1, (F32,)),
+    (1601, 5, 3, (BF16,)),
+    (5000, 4, 1024, ALL),
+    (9000, 8, 512, (F16,)),
+    (3000, 7, 100, (F32,)),
+    (2500, 6, 2048, (BF16,)),
+    (4099, 4, 1000, (F16,)),
+    (600, 3, 7, (F32,)),
 ]
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("n,bits,bucket", CASES)
+@pytest.mark.parametrize("n,bits,bucket,dtypes", CASES)
 def test_emulated_kernels_match_reference(
-    emu: EmulatedRunner, n: int, bits: int, bucket: int
+    emu: EmulatedRunner, n: int, bits: int, bucket: int, dtypes: tuple[np.dtype, ...]
 ) -> None:
-    for i, dtype in enumerate([np.dtype(np.float32), np.dtype(np.float16), BF16]):
+    for i, dtype in enumerate(dtypes):
         x = make(n, dtype, seed=n + bits)
         for stochastic in (False, True):
             offset = (n + i + int(stochastic)) % 4  # segments at unaligned addresses too
             buf = gpu_encode(emu, x, bits, bucket, stochastic, seed=99, offset=offset)
             want = reference.encode(x, bits, bucket, stochastic=stochastic, seed=99)
             assert np.array_equal(buf, want), (dtype, stochastic, np.flatnonzero(buf != want)[:8])
+        # values not 16-byte aligned: the scalar loads instead of the vector loads
+        shifted = np.empty(n + 1, dtype)[1:]
+        shifted[...] = x
+        if n:
+            assert shifted.ctypes.data % 16
+        want = reference.encode(x, bits, bucket)
+        assert np.array_equal(gpu_encode(emu, shifted, bits, bucket, False, 0), want)
         for out_dtype in (np.float32, np.float16, BF16, np.float64):
             got = gpu_decode(emu, buf, np.full(n, 7, out_dtype), add=False)
             ref = reference.decode(buf, out=np.empty(n, out_dtype))
