@@ -28,6 +28,7 @@ from cgx_ucx.compression.adaptive import (
     allreduce_seconds,
     deterministic_kmeans,
     layer_seconds,
+    layers_from_parameters,
     make_policy,
     quantization_errors,
     solve_budget,
@@ -186,6 +187,19 @@ def test_observe_accepts_torch_tensors():
     r = BudgetPolicy(LAYERS, schedule=Schedule(1, 10, 1))
     r.observe(0, [torch.from_numpy(g).to(torch.bfloat16) for g in grads])
     assert len(r.assignment(1)) == len(LAYERS)
+
+
+def test_layers_from_parameters():
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.LayerNorm(32))
+    layers = layers_from_parameters(model.named_parameters())
+    assert [(la.numel, la.ndim, la.name) for la in layers] == [
+        (2048, 2, "0.weight"),
+        (32, 1, "0.bias"),
+        (32, 1, "1.weight"),
+        (32, 1, "1.bias"),
+    ]
+    assert StaticPolicy(layers).current.bits == (4, 32, 32, 32)
 
 
 def test_static_stats_table_and_logging(caplog):

@@ -360,9 +360,14 @@ def _load_data(seed: int) -> tuple[Any, Any, Any, Any]:
 
 
 def _make_policy(name: str, params: list[tuple[str, Any]], comm: Any, args: argparse.Namespace):
-    from cgx_ucx.compression.adaptive import LayerInfo, Schedule, make_link_probe, make_policy
+    from cgx_ucx.compression.adaptive import (
+        Schedule,
+        layers_from_parameters,
+        make_link_probe,
+        make_policy,
+    )
 
-    layers = [LayerInfo(p.numel(), p.dim(), n) for n, p in params]
+    layers = layers_from_parameters(params)
     sched = Schedule(args.warmup, args.interval, args.window)
     if name == "none":
         return None

@@ -62,7 +62,7 @@ import logging
 import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -93,6 +93,7 @@ __all__ = [
     "allreduce_seconds",
     "deterministic_kmeans",
     "layer_seconds",
+    "layers_from_parameters",
     "make_link_probe",
     "make_policy",
     "probe_codec",
@@ -141,6 +142,14 @@ class LayerInfo:
             raise ConfigError(f"layer numel must be an integer >= 0, got {self.numel!r}")
         if isinstance(self.ndim, bool) or not isinstance(self.ndim, int) or self.ndim < 0:
             raise ConfigError(f"layer ndim must be an integer >= 0, got {self.ndim!r}")
+
+
+def layers_from_parameters(named: Iterable[tuple[str, Any]]) -> list[LayerInfo]:
+    """LayerInfo of each ``(name, tensor)`` (e.g. ``model.named_parameters()``), in order.
+
+    Duck-typed (``numel()``, ``dim()``), so torch is not imported here.
+    """
+    return [LayerInfo(int(t.numel()), int(t.dim()), str(name)) for name, t in named]
 
 
 def _as_layers(layers: Sequence[LayerInfo | int]) -> tuple[LayerInfo, ...]:
@@ -1674,7 +1683,7 @@ class AutoPolicy(Policy):
 
 
 def _agree_steps(
-    policy: Policy, step: int, world_size: int, root: int
+    policy: Policy, step: int, world_size: int
 ) -> Generator[tuple[str, Any], Any, Assignment]:
     """The agreement protocol as a generator of collective requests.
 
@@ -1753,7 +1762,7 @@ async def agree(
     (:class:`~cgx_ucx.errors.CGXTimeoutError`).
     """
     w = _world_size(comm, world_size)
-    gen = _agree_steps(policy, step, w, root)
+    gen = _agree_steps(policy, step, w)
     value: Any = None
     try:
         while True:
@@ -1796,7 +1805,7 @@ def agree_sync(
     must be synchronous here.
     """
     w = _world_size(comm, world_size)
-    gen = _agree_steps(policy, step, w, root)
+    gen = _agree_steps(policy, step, w)
     value: Any = None
     try:
         while True:
