@@ -365,6 +365,24 @@ def test_out_buffers_are_reused_not_allocated() -> None:
     assert np.array_equal(decode(raw), x)
 
 
+@pytest.mark.parametrize("offset", [1, 2, 3, 5])
+def test_segments_at_unaligned_offsets(offset: int) -> None:
+    # segments are packed back to back in one message: meta and values at any address
+    x = make_values(offset, 70_001, np.dtype(np.float32), "normal")  # parallel kernels
+    for bits, bucket in ((4, 1024), (3, 100)):
+        need = encoded_nbytes(x.size, bits, bucket)
+        msg = np.zeros(need + offset + 8, np.uint8)
+        seg = encode(x, bits, bucket, out=msg[offset:])
+        assert seg.ctypes.data == msg.ctypes.data + offset
+        want = reference.encode(x, bits, bucket)
+        assert np.array_equal(seg, want)
+        assert np.all(msg[:offset] == 0) and np.all(msg[offset + need :] == 0)
+        assert np.array_equal(decode(seg), reference.decode(want))
+        acc = np.ones(x.size, np.float32)
+        decode_add(seg, acc)
+        assert np.array_equal(acc, np.float32(1) + reference.decode(want))
+
+
 def test_decode_accepts_bytes_like() -> None:
     x = np.linspace(-1, 1, 100, dtype=np.float32)
     buf = encode(x, 8, 16)
@@ -424,19 +442,38 @@ def test_bad_out_and_acc_raise_codec_error() -> None:
 # conversions of the Numba kernels (all float16 and bfloat16 bit patterns)
 
 
-def test_half_to_float_all_patterns() -> None:
-    for dt in (np.dtype(np.float16), BF16):
-        bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
-        vals = bits.view(dt)
-        buf = encode(vals, 32, 1)
-        got = decode(buf, out=np.empty(65536, np.float32))
-        want = vals.astype(np.float32)
+@pytest.fixture(scope="module")
+def conversions() -> tuple[object, object]:
+    """The kernels' own element conversions (cpu._load / cpu._store) in tiny loops."""
+    from numba import njit
+
+    @njit
+    def to_float(src, out):
+        for i in range(src.shape[0]):
+            out[i] = cpu._load(src, i)
+
+    @njit
+    def from_float(src, out):
+        for i in range(src.shape[0]):
+            cpu._store(out, i, src[i])
+
+    return to_float, from_float
+
+
+def test_half_to_float_all_patterns(conversions: tuple) -> None:
+    to_float, _ = conversions
+    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    for dt, kernel_bits in ((np.dtype(np.float16), bits), (BF16, bits.view(np.int16))):
+        got = np.empty(65536, np.float32)
+        to_float(kernel_bits, got)
+        want = bits.view(dt).astype(np.float32)
         nan = np.isnan(want)
         assert np.array_equal(np.isnan(got), nan)
         assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
 
 
-def test_float_to_half_rounds_like_numpy() -> None:
+def test_float_to_half_rounds_like_numpy(conversions: tuple) -> None:
+    _, from_float = conversions
     rng = np.random.default_rng(0)
     f = rng.integers(0, 2**32, 1 << 18, dtype=np.uint64).astype(np.uint32)
     # plus ties, boundaries, subnormals, overflow thresholds
@@ -444,14 +481,31 @@ def test_float_to_half_rounds_like_numpy() -> None:
              0x477FF000, 0x47800000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x3F801000, 0x3F803000,
              0x3F808000, 0x3F818000, 0x7F7FFFFF]  # fmt: skip
     vals = np.concatenate([f, np.array(edges, np.uint32)]).view(np.float32)
-    buf = encode(vals, 32, 1)
-    for dt in (np.dtype(np.float16), BF16):
+    for dt, kernel_dt in ((np.dtype(np.float16), np.uint16), (BF16, np.int16)):
         with np.errstate(over="ignore", invalid="ignore"):
             want = vals.astype(dt)
-        got = decode(buf, out=np.empty(vals.size, dt))
+        got = np.empty(vals.size, kernel_dt)
+        from_float(vals, got)
+        got = got.view(dt)
         nan = np.isnan(want.astype(np.float32))
         assert np.array_equal(np.isnan(got.astype(np.float32)), nan)
         assert np.array_equal(got[~nan].view(np.uint16), want[~nan].view(np.uint16))
+
+
+def test_raw_segments_convert_between_dtypes(be: Backend) -> None:
+    x = (np.random.default_rng(4).standard_normal(999) * 100).astype(np.float32)
+    for src_dt in DTYPES:
+        xs = x.astype(src_dt)
+        buf = be.encode(xs, 32, 16)
+        for dt in (*DTYPES, np.dtype(np.float64)):
+            y = be.decode(buf, out=np.empty(999, dt))
+            assert np.array_equal(y, xs.astype(np.float32).astype(dt))
+        # RAW at an odd address inside a larger message
+        msg = np.zeros(buf.size + 3, np.uint8)
+        msg[3:] = buf
+        acc = np.ones(999, np.float32)
+        be.decode_add(msg[3:], acc)
+        assert np.array_equal(acc, np.float32(1) + xs.astype(np.float32))
 
 
 # ---------------------------------------------------------------------------------------

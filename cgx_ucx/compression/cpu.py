@@ -380,37 +380,6 @@ def _decode_serial(codes, meta, n, bits, bsize, k, out, add, nchunks, nblocks, n
 
 
 # ---------------------------------------------------------------------------------------
-# RAW (bits == 32) conversions
-
-#: Values per parallel iteration of the RAW conversion loops.
-_RAW_BLOCK = 1 << 14
-
-
-@njit
-def _convert(src, out, add):
-    if add:
-        for i in range(src.shape[0]):
-            out[i] += _load(src, i)
-    else:
-        for i in range(src.shape[0]):
-            _store(out, i, _load(src, i))
-
-
-@njit(parallel=True, cache=True)
-def _convert_parallel(src, out, add):
-    n = src.shape[0]
-    for blk in prange((n + _RAW_BLOCK - 1) // _RAW_BLOCK):
-        s = blk * _RAW_BLOCK
-        e = min(s + _RAW_BLOCK, n)
-        _convert(src[s:e], out[s:e], add)
-
-
-@njit(cache=True)
-def _convert_serial(src, out, add):
-    _convert(src, out, add)
-
-
-# ---------------------------------------------------------------------------------------
 # backend interface (validated arguments only; see codec.py)
 
 
@@ -466,8 +435,17 @@ def _parallel_blocks(n: int, nchunks: int) -> int:
     return min(nchunks, threads)
 
 
-def _meta_codes(buf: np.ndarray, hdr: CodecHeader) -> tuple[np.ndarray, np.ndarray]:
-    return buf[HEADER_NBYTES : hdr.codes_offset].view(np.float32), buf[hdr.codes_offset :]
+def _meta_view(buf: np.ndarray, hdr: CodecHeader) -> tuple[np.ndarray, bool]:
+    """The meta as float32 for the kernels, and whether it is a view of ``buf``.
+
+    Segments packed back to back start at any byte; an unaligned float32 view would be
+    another Numba type (another compile, in the middle of a collective), so unaligned
+    meta goes through a small aligned copy instead (8 bytes per bucket).
+    """
+    raw = buf[HEADER_NBYTES : hdr.codes_offset]
+    if raw.ctypes.data % 4 == 0:
+        return raw.view(np.float32), True
+    return np.frombuffer(raw.tobytes(), dtype=np.float32).copy(), False
 
 
 def encode_into(x: np.ndarray, hdr: CodecHeader, seed: int, buf: np.ndarray) -> None:
@@ -479,32 +457,39 @@ def encode_into(x: np.ndarray, hdr: CodecHeader, seed: int, buf: np.ndarray) -> 
         return
     if n == 0:
         return
-    meta, codes = _meta_codes(buf, hdr)
+    meta, is_view = _meta_view(buf, hdr)
+    codes = buf[hdr.codes_offset :]
     k, nchunks = _chunking(hdr)
     key = np.uint64(seed_key(seed))
     blocks = _parallel_blocks(n, nchunks)
     kernel = _encode_parallel if blocks else _encode_serial
     kernel(_kernel_view(x), n, hdr.bits, hdr.bucket_size, k, hdr.stochastic, key, meta, codes,
            nchunks, blocks, min(k * hdr.bucket_size, n))  # fmt: skip
+    if not is_view:
+        buf[HEADER_NBYTES : hdr.codes_offset] = meta.view(np.uint8)
 
 
 def _decode(buf: np.ndarray, hdr: CodecHeader, out: np.ndarray, add: bool) -> None:
     n = hdr.numel
     target = _kernel_view(out)
-    if target is None:  # an exotic float dtype (longdouble): decode to float32, then cast
+    if target is None and not hdr.raw:  # exotic float (longdouble): via float32, then cast
         tmp = np.empty(n, dtype=np.float32)
         _decode(buf, hdr, tmp, add=False)
-        out[...] = tmp
+        with np.errstate(over="ignore"):
+            out[...] = tmp
         return
-    if hdr.raw:
+    if hdr.raw:  # NumPy's (and ml_dtypes') exact conversions, any alignment: one pass
         src = buf[HEADER_NBYTES:].view(hdr.dtype)
-        if not add and src.dtype == out.dtype:
-            out[...] = src
-            return
-        parallel = _parallel_blocks(n, 2) > 0
-        (_convert_parallel if parallel else _convert_serial)(_kernel_view(src), target, add)
+        with np.errstate(over="ignore"):  # too large for a narrower out: Inf, as IEEE says
+            if add:
+                np.add(out, src, out=out)
+            elif src.dtype == out.dtype or np.float32 in (src.dtype, out.dtype):
+                out[...] = src
+            else:  # half to another half type: through float32, as the reference
+                out[...] = src.astype(np.float32)
         return
-    meta, codes = _meta_codes(buf, hdr)
+    meta, _ = _meta_view(buf, hdr)
+    codes = buf[hdr.codes_offset :]
     k, nchunks = _chunking(hdr)
     blocks = _parallel_blocks(n, nchunks)
     kernel = _decode_parallel if blocks else _decode_serial

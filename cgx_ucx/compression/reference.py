@@ -168,13 +168,15 @@ def dequantize(buf: np.ndarray, hdr: CodecHeader) -> np.ndarray:
 
 def decode_into(buf: np.ndarray, hdr: CodecHeader, out: np.ndarray) -> None:
     values = dequantize(buf, hdr)
-    if values.dtype != out.dtype:
-        values = values.astype(np.float32).astype(out.dtype)
-    out[...] = values
+    with np.errstate(over="ignore"):  # too large for a narrower out: Inf, as IEEE says
+        if values.dtype != out.dtype:
+            values = values.astype(np.float32).astype(out.dtype)
+        out[...] = values
 
 
 def decode_add_into(buf: np.ndarray, hdr: CodecHeader, acc: np.ndarray) -> None:
-    acc += dequantize(buf, hdr).astype(np.float32, copy=False)
+    with np.errstate(over="ignore"):
+        acc += dequantize(buf, hdr).astype(np.float32, copy=False)
 
 
 # ---------------------------------------------------------------------------------------
