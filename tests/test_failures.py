@@ -61,7 +61,7 @@ def test_killed_rank_is_named_by_every_survivor(world, tls):
         kind, peer, elapsed, peer_again = r.value
         assert kind == "PeerLostError" and peer == victim and peer_again == victim, r.value
         # Detected through the control channel, long before the 20 s timeout.
-        assert elapsed < 5.0, elapsed
+        assert elapsed < CFG.timeout / 2, elapsed
 
 
 MISMATCHES = {
@@ -79,43 +79,50 @@ MISMATCHES = {
 }
 
 
-async def mismatched(ctx, what):
-    args = dict(n=1001, dtype=np.float32, op="sum", bits=4, layout=None, algorithm="sra")
-    args["collective"] = "allreduce"
-    args.update(MISMATCHES[what](ctx.rank))
+async def mismatched(ctx, kinds):
+    """Each kind of disagreement in turn on one communicator (it must survive them all)."""
+    out = {}
     async with await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG) as comm:
-        x = np.arange(args["n"], dtype=args["dtype"])
-        before = x.copy()
-        start = time.monotonic()
-        try:
-            if args["collective"] == "broadcast":
-                await comm.broadcast(x)
-            else:
-                bits = None if args["layout"] is not None else args["bits"]
-                await comm.allreduce(
-                    x, args["op"], bits=bits, layout=args["layout"], algorithm=args["algorithm"]
-                )
-            outcome = "no error"
-        except CollectiveMismatchError as exc:
-            outcome = str(exc)
-        elapsed = time.monotonic() - start
-        untouched = x.tobytes() == before.tobytes()
-        # The communicator is still usable afterwards.
-        y = np.full(7, ctx.rank, np.int64)
-        await comm.allreduce(y)
-        return outcome, untouched, elapsed, y.tolist()
+        for what in kinds:
+            args = dict(n=1001, dtype=np.float32, op="sum", bits=4, layout=None, algorithm="sra")
+            args["collective"] = "allreduce"
+            args.update(MISMATCHES[what](ctx.rank))
+            x = np.arange(args["n"], dtype=args["dtype"])
+            before = x.copy()
+            start = time.monotonic()
+            try:
+                if args["collective"] == "broadcast":
+                    await comm.broadcast(x)
+                else:
+                    bits = None if args["layout"] is not None else args["bits"]
+                    await comm.allreduce(
+                        x, args["op"], bits=bits, layout=args["layout"], algorithm=args["algorithm"]
+                    )
+                outcome = "no error"
+            except CollectiveMismatchError as exc:
+                outcome = str(exc)
+            elapsed = time.monotonic() - start
+            untouched = x.tobytes() == before.tobytes()
+            # The communicator is still usable afterwards.
+            y = np.full(7, ctx.rank, np.int64)
+            await comm.allreduce(y)
+            out[what] = (outcome, untouched, elapsed, y.tolist())
+    return out
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("what", sorted(MISMATCHES))
-def test_mismatch_raises_on_every_rank_and_writes_nothing(what):
-    results = run_ranks(mismatched, 3, args=(what,), timeout=50)
-    for outcome, untouched, elapsed, y in results:
-        assert outcome != "no error" and "disagree" in outcome, outcome
-        assert untouched, "output written despite the mismatch"
-        assert elapsed < 5.0
-        assert y == [3] * 7
-    assert "rank 1 called" in results[0][0]
+@pytest.mark.timeout(120)
+def test_mismatch_raises_on_every_rank_and_writes_nothing():
+    kinds = sorted(MISMATCHES)
+    results = run_ranks(mismatched, 3, args=(kinds,), timeout=110)
+    for what in kinds:
+        for rank_result in results:
+            outcome, untouched, elapsed, y = rank_result[what]
+            assert outcome != "no error" and "disagree" in outcome, (what, outcome)
+            assert untouched, f"{what}: output written despite the mismatch"
+            # Detected from the signatures, not by waiting out the 20 s timeout.
+            assert elapsed < CFG.timeout / 2, (what, elapsed)
+            assert y == [3] * 7
+        assert "rank 1 called" in results[0][what][0]
 
 
 async def local_error_aborts_peers(ctx):
@@ -137,7 +144,7 @@ def test_local_argument_error_aborts_the_others():
     results = run_ranks(local_error_aborts_peers, 3, timeout=50)
     assert results[0][0] == "ConfigError"
     for kind, elapsed in results[1:]:
-        assert kind == "CollectiveMismatchError" and elapsed < 5.0
+        assert kind == "CollectiveMismatchError" and elapsed < CFG.timeout / 2
 
 
 async def silent_peer(ctx):
@@ -241,7 +248,7 @@ async def malformed_frame(ctx):
             await comm.allreduce(np.ones(100, np.float32))
             return "no error", None
         except ProtocolError as exc:
-            assert time.monotonic() - start < 5.0
+            assert time.monotonic() - start < CFG.timeout / 2
             return "ProtocolError", str(exc)
 
 

@@ -368,14 +368,17 @@ class Mesh:
         loop = self._loop
         if loop is None or loop.is_closed():
             return
+        # Two hops: UCX calls this inside worker.progress(), before the progress driver
+        # resolves the receives completed in the same call; a BYE that arrived just
+        # before the connection closed must be seen first (then the close is quiet).
         with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(self._peer_closed, rank, "connection closed")
+            loop.call_soon_threadsafe(loop.call_soon, self._peer_closed, rank, "connection closed")
 
     def _peer_closed(self, rank: int, how: str) -> None:
         p = self.peers[rank]
         if self._closing or p.lost is not None:
             return
-        if p.bye:
+        if p.bye or getattr(self, "_bye_fut", None) is not None:
             # A clean close: later collectives report it, nothing to warn about now.
             self.lose(
                 rank, PeerLostError(f"rank {rank} closed its communicator", peer=rank), quiet=True
