@@ -6,12 +6,14 @@ Tests that build namespaces need root and iproute2; without them they skip and s
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -352,4 +354,56 @@ def test_cgx_allreduce_across_a_shaped_link_is_correct() -> None:
     assert results[0].stdout == results[1].stdout and results[0].stdout.count("\n") == 3
     # The 1.2 MB of the exact allreduce alone went through each rank's shaped device.
     assert min(crossed) > 300_001 * 4, crossed
+    assert _namespaces() == before
+
+
+# ------------------------------------------------------------------ the benchmark's checks
+
+
+def _row(method: str, size: int, time_s: float, tx: float | None, **extra: object) -> dict:
+    return {"method": method, "size": size, "time_s": time_s, "tx_bytes": tx, **extra}
+
+
+def test_benchmark_refuses_traffic_that_did_not_cross_the_link() -> None:
+    from cgx_ucx.bench.link import _verify
+
+    link = LinkEmulator(2, "1gbit", prefix=PREFIX)  # not started: only its settings are read
+    honest = netns.TcpMeasurement(0, 1, 119_000_000, 1.0, link.rate_bps)
+    mib64 = 64 << 20
+    # 64 MiB on 2 ranks: each rank sends >= 64 MiB, >= 0.53 s at 1 Gbit/s.
+    good = [
+        _row("gloo", mib64, 0.564, 67.2e6),
+        _row("cgx32", mib64, 0.6, 67.2e6, rel_l2_err=0.0, finite=True),
+        _row("cgx4", mib64, 0.1, 8.5e6, rel_l2_err=0.15, finite=True),
+    ]
+    assert _verify(good, link, honest, 2) == []
+    shm = [_row("cgx32", mib64, 0.036, 67.2e6, rel_l2_err=0.0, finite=True)]  # 1.86 GB/s
+    assert "faster than the shaped link" in _verify(shm, link, honest, 2)[0]
+    elsewhere = [_row("gloo", mib64, 0.6, 1e5)]  # slow, but not through the shaped device
+    assert "traffic went elsewhere" in _verify(elsewhere, link, honest, 2)[0]
+    wrong = [_row("cgx32", mib64, 0.6, 67.2e6, rel_l2_err=0.01, finite=False)]
+    assert len(_verify(wrong, link, honest, 2)) == 2
+    fast_probe = netns.TcpMeasurement(0, 1, 1_000_000_000, 1.0, link.rate_bps)
+    assert "raw TCP" in _verify([], link, fast_probe, 2)[0]
+
+
+@needs_netns
+@pytest.mark.netns
+@pytest.mark.timeout(90)
+def test_link_benchmark_end_to_end(tmp_path: Path) -> None:
+    from cgx_ucx.bench.link import main
+
+    before = _namespaces()
+    args = ["--world", "2", "--rates", "100mbit", "--sizes", "1", "--bits", "4", "32"]
+    args += ["--min-iters", "1", "--max-iters", "1", "--budget", "0", "--out", str(tmp_path)]
+    assert main(args) == 0
+    record = json.loads((tmp_path / "link.json").read_text())
+    (config,) = record["configs"]
+    assert config["violations"] == [] and config["link"]["rate_bps"] == 10**8
+    rows = {r["method"]: r for r in config["allreduce"]}
+    assert set(rows) == {"gloo", "cgx4", "cgx32"}
+    assert rows["cgx32"]["rel_l2_err"] == 0.0 and rows["cgx4"]["rel_l2_err"] < 0.3
+    # 4 bits put about 8x fewer bytes on the wire than gloo did.
+    assert rows["cgx4"]["tx_bytes"] < rows["gloo"]["tx_bytes"] / 6
+    assert (tmp_path / "link.png").stat().st_size > 0
     assert _namespaces() == before
