@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -107,6 +108,7 @@ class Communicator:
         self._closed = False
         self._loop = asyncio.get_running_loop()
         mesh.on_abort = self._on_abort
+        _share_codec_threads(len(mesh.local_ranks))
 
     # -- properties ---------------------------------------------------------------------
     @property
@@ -433,6 +435,30 @@ class Communicator:
             await call.exchange_signatures()
 
         await self._collective("barrier", Coll.BARRIER, prepare, body)
+
+
+def _share_codec_threads(local_ranks: int) -> None:
+    """Give the CPU codec ``cores // local ranks`` threads, unless someone chose already.
+
+    A parallel Numba kernel waits for its slowest thread; with several ranks per host
+    each running all-core kernels, threads wait for time slices: measured on 2 cores,
+    2 ranks, a 64 MiB 4-bit allreduce took 380 ms with 2 codec threads per rank and
+    45 ms with 1.
+    """
+    try:
+        from ..compression import cpu
+    except ImportError:  # pragma: no cover
+        return
+    if getattr(cpu, "_threads", None) is not None or not hasattr(cpu, "set_num_threads"):
+        return
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    limit = cpu.num_threads()
+    threads = max(1, min(cores // max(local_ranks, 1), limit))
+    cpu.set_num_threads(threads)
+    log.info("codec threads per rank: %d (%d cores, %d ranks here)", threads, cores, local_ranks)
 
 
 def _byte_pieces(nbytes: int) -> list[tuple[int, int]]:

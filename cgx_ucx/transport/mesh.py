@@ -56,7 +56,7 @@ from . import progress as _progress
 from . import ucx as _ucx
 from .frames import FRAME_NBYTES, AbortCode, Frame, Kind
 from .progress import post_recv, post_send
-from .rendezvous import TOKEN_NBYTES, PeerAddress, Rendezvous, local_address_towards
+from .rendezvous import TOKEN_NBYTES, PeerAddress, Rendezvous, local_address_towards, node_id
 
 __all__ = ["MAX_WORLD_SIZE", "Mesh", "TransportStats"]
 
@@ -140,6 +140,8 @@ class Mesh:
         self._closing = False
         self._closed = False
         self._accept_tasks: set[asyncio.Task] = set()
+        #: Ranks on this machine (same kernel), this one included.
+        self.local_ranks: list[int] = [rank]
 
     # -- properties ---------------------------------------------------------------------
     @property
@@ -228,11 +230,14 @@ class Mesh:
             port = self._listener.port
         else:
             port = 0
-        addr = PeerAddress(host, port, bytes(ucxx.get_worker_address().tobytes()))
+        addr = PeerAddress(host, port, bytes(ucxx.get_worker_address().tobytes()), node_id())
         await rdzv.publish(addr)
         if self.world_size == 1:
             return
         peers = {r: await rdzv.peer(r) for r in self.peers}
+        self.local_ranks = sorted(
+            [self.rank, *(r for r, a in peers.items() if a.node == addr.node)]
+        )
         # Control channel: each rank dials the lower ranks and accepts the higher ones.
         dials = [self._dial(r, peers[r], rdzv.deadline) for r in self.peers if r < self.rank]
         await asyncio.gather(*dials)

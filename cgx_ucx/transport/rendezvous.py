@@ -27,7 +27,14 @@ from typing import Any, Protocol
 
 from ..errors import ConfigError, RendezvousError
 
-__all__ = ["PeerAddress", "Rendezvous", "Store", "env_store", "local_address_towards"]
+__all__ = [
+    "PeerAddress",
+    "Rendezvous",
+    "Store",
+    "env_store",
+    "local_address_towards",
+    "node_id",
+]
 
 log = logging.getLogger("cgx_ucx.transport")
 
@@ -92,29 +99,46 @@ def local_address_towards(host: str) -> str | None:
     return None
 
 
+def node_id() -> str:
+    """Identifies the machine (kernel) this process runs on.
+
+    The kernel's boot id: ranks in different network namespaces of one machine (the
+    link emulator) still share its CPUs, so they count as local to each other.
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
 class PeerAddress:
-    """What a rank publishes: where its listener is, and its UCX worker address."""
+    """What a rank publishes: where its listener is, its UCX worker address, its machine."""
 
-    _HEAD = struct.Struct("<HHI")  # host length, port, worker-address length
+    _HEAD = struct.Struct("<HHIH")  # host length, port, worker-address length, node length
 
-    def __init__(self, host: str, port: int, worker_address: bytes) -> None:
-        self.host, self.port, self.worker_address = host, port, worker_address
+    def __init__(self, host: str, port: int, worker_address: bytes, node: str = "") -> None:
+        self.host, self.port, self.worker_address, self.node = host, port, worker_address, node
 
     def pack(self) -> bytes:
-        h = self.host.encode()
-        return (
-            self._HEAD.pack(len(h), self.port, len(self.worker_address)) + h + self.worker_address
-        )
+        h, n = self.host.encode(), self.node.encode()
+        head = self._HEAD.pack(len(h), self.port, len(self.worker_address), len(n))
+        return head + h + self.worker_address + n
 
     @classmethod
     def unpack(cls, raw: bytes) -> PeerAddress:
         if len(raw) < cls._HEAD.size:
             raise RendezvousError("malformed peer address in the store (too short)")
-        hlen, port, alen = cls._HEAD.unpack_from(raw)
-        if alen > MAX_ADDRESS_NBYTES or len(raw) != cls._HEAD.size + hlen + alen:
+        hlen, port, alen, nlen = cls._HEAD.unpack_from(raw)
+        if alen > MAX_ADDRESS_NBYTES or len(raw) != cls._HEAD.size + hlen + alen + nlen:
             raise RendezvousError("malformed peer address in the store (length mismatch)")
-        host = raw[cls._HEAD.size : cls._HEAD.size + hlen].decode(errors="strict")
-        return cls(host, port, raw[cls._HEAD.size + hlen :])
+        pos = cls._HEAD.size
+        try:
+            host = raw[pos : pos + hlen].decode()
+            node = raw[pos + hlen + alen :].decode()
+        except UnicodeDecodeError as exc:
+            raise RendezvousError("malformed peer address in the store (not UTF-8)") from exc
+        return cls(host, port, raw[pos + hlen : pos + hlen + alen], node)
 
 
 class Rendezvous:
