@@ -254,3 +254,40 @@ def test_world_size_one():
     x, y = run_ranks(single, 1, timeout=25)[0]
     np.testing.assert_array_equal(x, rank_data(0, 1000, np.float32))
     assert np.abs(y - smooth_data(0, 3000)).max() < 8 / 255
+
+
+async def over_tcp_env_store(ctx):
+    """env:// rendezvous (a torch TCPStore) with UCX restricted to TCP."""
+    import os
+
+    os.environ.update(RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world_size))
+    comm = await connect(config=CFG)  # store=None: env://
+    try:
+        x = rank_data(ctx.rank, 200_003, np.float32)
+        await comm.allreduce(x)
+        y = smooth_data(ctx.rank, 50_000)
+        await comm.allreduce(y, bits=4, algorithm="ring")
+        import ucxx
+
+        return x, y, sorted(ucxx.get_active_transports())
+    finally:
+        await comm.close()
+
+
+@pytest.mark.timeout(90)
+def test_tcp_transport_with_env_rendezvous():
+    import socket
+
+    with socket.socket() as s:  # a free port for the TCPStore
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"UCX_TLS": "tcp", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    results = run_ranks(over_tcp_env_store, 2, timeout=80, env=env)
+    exact = sum(rank_data(r, 200_003, np.float32) for r in range(2))
+    for x, y, transports in results:
+        np.testing.assert_array_equal(x, exact)
+        assert y.tobytes() == results[0][1].tobytes()
+        assert "tcp" in transports and "posix" not in transports and "cma" not in transports
+    xs = [smooth_data(r, 50_000) for r in range(2)]
+    err = np.abs(results[0][1] - sum(x.astype(np.float64) for x in xs))
+    assert np.all(err <= _bound(xs, 4, 1024, "ring"))
