@@ -487,7 +487,10 @@ class LinkEmulator:
         if not self._handle_signals or threading.current_thread() is not threading.main_thread():
             return
         for sig in (signal.SIGINT, signal.SIGTERM):
-            self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+            # A process that ignores the signal (e.g. SIGINT in a background job) goes on
+            # ignoring it: tearing the links down under a running job would be a surprise.
+            if signal.getsignal(sig) != signal.SIG_IGN:
+                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
 
     def _restore_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
