@@ -1480,9 +1480,10 @@ class AutoPolicy(Policy):
        a drift flag, and when any rank's level moved by more than ``drift_threshold``
        (30%: well below the 2x a wrong choice costs on a slow link) the link and codec
        are probed again and the assignment recomputed. An EWMA with a 5-step time
-       constant was tried first: on this shared 2-core host single steps spike 3-10x
-       when other processes run, and it re-probed every few checks (each probe costs
-       about ten 2 MiB allreduces); medians ignore such spikes.
+       constant was tried first: on this shared 2-core host single steps spike several
+       times over when other processes run, and in one training run it raised a false
+       alarm on an unchanged link, re-probed (six 2 MiB and six small allreduces) and
+       switched the assignment for a whole interval; medians ignore such spikes.
     """
 
     name = "auto"
