@@ -463,28 +463,34 @@ class Mesh:
 
     # -- operations -----------------------------------------------------------------------
     async def _guard(
-        self, rank: int, aw: Any, what: str, extra: Iterable[asyncio.Future] = ()
+        self, rank: int, post: Any, what: str, extra: Iterable[asyncio.Future] = ()
     ) -> Any:
-        """Await a UCX operation with ``rank`` against the deadline and every failure."""
-        p = self.peers[rank]
+        """Post a UCX operation with ``rank`` (``post()``) and await it against the
+        deadline, the loss of any peer and the collective's own abort (``extra``)."""
         self.check()
-        task = asyncio.ensure_future(aw)
-        waiters = {task, self.failed_future, *extra}
+        for f in extra:
+            if f.done():
+                exc = f.exception()
+                raise _copy_error(exc) if isinstance(exc, CGXError) else TransportError(str(exc))
+        errors = _ucx_errors()
         try:
-            done, _ = await asyncio.wait(
-                waiters, timeout=self.config.timeout, return_when=asyncio.FIRST_COMPLETED
-            )
-        except asyncio.CancelledError:
-            task.cancel()
-            raise
-        if task in done:
+            task = asyncio.ensure_future(post())
+        except errors as exc:
+            return self._op_failed(rank, what, exc)
+        if not task.done():
+            waiters = {task, self.failed_future, *extra}
+            try:
+                await asyncio.wait(
+                    waiters, timeout=self.config.timeout, return_when=asyncio.FIRST_COMPLETED
+                )
+            except asyncio.CancelledError:
+                task.cancel()
+                raise
+        if task.done():
             try:
                 return task.result()
-            except _ucx_errors() as exc:
-                if p.lost is None and not self._closing:
-                    self.lose(rank, PeerLostError(f"rank {rank}: {what} failed: {exc}", peer=rank))
-                self.check()
-                raise TransportError(f"{what} with rank {rank} failed: {exc}") from exc
+            except errors as exc:
+                return self._op_failed(rank, what, exc)
         task.cancel()
         for f in extra:
             if f.done():
@@ -500,12 +506,26 @@ class Mesh:
         self.lose(rank, exc)
         raise _copy_error(exc)
 
+    def _op_failed(self, rank: int, what: str, exc: BaseException) -> Any:
+        """A UCX error on a data operation: the peer is lost (data endpoints only fail so)."""
+        if self.peers[rank].lost is None and not self._closing:
+            if "truncated" in type(exc).__name__.lower():
+                # More bytes than the frame protocol allows for this (seq, phase, slot).
+                err: CGXError = ProtocolError(
+                    f"rank {self.rank}: oversized message from rank {rank} ({what})"
+                )
+            else:
+                err = PeerLostError(f"rank {rank}: {what} failed: {exc}", peer=rank)
+            self.lose(rank, err)
+        self.check()
+        raise TransportError(f"{what} with rank {rank} failed: {exc}") from exc
+
     async def send(
         self, rank: int, tag: int, buf: Any, what: str, extra: Iterable[asyncio.Future] = ()
     ) -> None:
         ep = self.peers[rank].data
         nbytes = _nbytes(buf)
-        await self._guard(rank, post_send(ep, buf, tag), what, extra)
+        await self._guard(rank, lambda: post_send(ep, buf, tag), what, extra)
         self.stats.bytes_sent += nbytes
         self.stats.messages_sent += 1
 
@@ -513,7 +533,7 @@ class Mesh:
         self, rank: int, tag: int, buf: Any, what: str, extra: Iterable[asyncio.Future] = ()
     ) -> None:
         ep = self.peers[rank].data
-        await self._guard(rank, post_recv(ep, buf, tag), what, extra)
+        await self._guard(rank, lambda: post_recv(ep, buf, tag), what, extra)
         self.stats.bytes_received += _nbytes(buf)
         self.stats.messages_received += 1
 
