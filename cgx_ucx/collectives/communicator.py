@@ -337,11 +337,10 @@ class Communicator:
         async def body(call: Call, state: tuple[Any, AllreduceSpec]) -> Any:
             flat, spec = state
             if self.world_size == 1:
-                await call.exchange_signatures()
-                if spec.avg:
-                    pass  # dividing by 1 changes nothing
+                # Sum and average of one buffer are the buffer; compressed layers still
+                # go through one quantization, as they would with more ranks.
                 if not spec.raw:
-                    await _self_requantize(call, flat, spec)
+                    _self_requantize(call, flat, spec)
                 return x
             if call.template is not None and call.template.algorithm == Algo.RING:
                 await ring(call, flat, spec)
@@ -470,17 +469,13 @@ def _byte_pieces(nbytes: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, nbytes)) for a in range(0, nbytes, step)]
 
 
-async def _self_requantize(call: Call, flat: Any, spec: AllreduceSpec) -> None:
+def _self_requantize(call: Call, flat: Any, spec: AllreduceSpec) -> None:
     """World size 1: the result is the quantized input (what N ranks would produce)."""
     from .allreduce import _requantize
 
-    xp_flat = flat
     for chunk in spec.plan.chunks:
         for piece in chunk.pieces:
-            acc = (
-                np.asarray(xp_flat[piece.start : piece.stop], dtype=np.float32)
-                if not hasattr(xp_flat, "__cuda_array_interface__")
-                else xp_flat[piece.start : piece.stop].astype(np.float32)
-            )
+            acc = flat[piece.start : piece.stop].astype(np.float32)
             buf = call.take(piece.wire_nbytes(flat.dtype), flat)
             _requantize(acc, piece.start, piece, buf, flat, flat.dtype, spec, call.seq, 0)
+    synchronize(flat)
