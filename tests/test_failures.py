@@ -257,3 +257,27 @@ def test_malformed_frame_is_protocol_error_and_drops_the_peer():
     results = run_ranks(malformed_frame, 2, timeout=50)
     assert results[0][0] == "ProtocolError" and "rank 1" in results[0][1]
     assert results[1][0] == "PeerLostError"  # rank 0 dropped its endpoints to rank 1
+
+
+async def lonely_rank(ctx):
+    """A rank whose peer never shows up: RendezvousError at the connect deadline."""
+    import threading
+
+    import ucxx
+
+    from cgx_ucx.errors import RendezvousError
+
+    start = time.monotonic()
+    with pytest.raises(RendezvousError):
+        await connect(ctx.store, 0, 2, config=CommConfig(timeout=5.0, connect_timeout=2.0))
+    elapsed = time.monotonic() - start
+    await asyncio.sleep(0.2)
+    threads = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    return elapsed, ucxx.core._ctx is None, threads
+
+
+@pytest.mark.timeout(60)
+def test_missing_peer_is_a_rendezvous_error_at_the_deadline():
+    elapsed, released, threads = run_ranks(lonely_rank, 1, timeout=50)[0]
+    assert 1.5 < elapsed < 10.0
+    assert released and threads == []

@@ -195,13 +195,13 @@ class Mesh:
             token = await rdzv.token()
             mesh = cls(rank, world_size, config, token)
             await mesh._start(rdzv, host or _default_host(store))
-            return mesh
         except BaseException:
+            rdzv.close(wait=False)
             if mesh is not None:
                 await mesh.abort()
             raise
-        finally:
-            rdzv.close()
+        rdzv.close()
+        return mesh
 
     async def _start(self, rdzv: Rendezvous, host: str) -> None:
         self._loop = asyncio.get_running_loop()

@@ -151,8 +151,10 @@ class Rendezvous:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cgx-rdzv")
         self.generation = -1
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+    def close(self, wait: bool = True) -> None:
+        """Stop the store thread (``wait=False`` on error paths, where a store call may
+        still block until the connect deadline: the thread then ends on its own)."""
+        self._pool.shutdown(wait=wait, cancel_futures=True)
 
     def _remaining(self) -> float:
         left = self.deadline - time.monotonic()
