@@ -2,7 +2,20 @@
 
 See :mod:`.mesh` for why each peer gets a data channel (worker-address endpoints:
 shared memory, CMA, cuda_ipc) and a control channel (error-handling endpoint: liveness,
-membership, ABORT/BYE).
+membership, ABORT/BYE), and :mod:`.progress` for the event-driven progress driver.
+
+What UCX picks (it chooses per pair of ranks; ``UCX_TLS`` / ``UCX_NET_DEVICES`` pass
+through untouched):
+
+- one host, host memory: the data channel uses shared memory (posix/sysv) for small
+  messages and CMA (``process_vm_readv``, one copy) for large ones; the control channel
+  uses TCP over loopback. Measured here: 13.8 GB/s point to point at 64 MiB.
+- one host, CuPy buffers: cuda_ipc between the GPUs (NVLink/PCIe peer access), cuda_copy
+  staging otherwise.
+- across hosts: TCP (tuned segment sizes, see :mod:`.ucx`) or, where present, InfiniBand
+  / RoCE verbs (rc, ud, dc) and GPUDirect RDMA; the control channel stays on TCP
+  (through the UCX listener).
+- ``UCX_TLS=tcp`` forces TCP everywhere (the tests run both).
 """
 
 from .frames import FRAME_NBYTES, MAX_PAYLOAD_NBYTES, Frame, Kind
