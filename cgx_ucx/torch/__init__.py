@@ -5,6 +5,7 @@ Importing this package registers the ``cgx`` backend (idempotent), so
 ``dist.init_process_group("cgx")`` works after ``import cgx_ucx``.
 """
 
+from ._policy import POLICY_NAMES
 from .backend import (
     BACKEND_NAME,
     CGXOptions,
@@ -21,6 +22,7 @@ register()
 
 __all__ = [
     "BACKEND_NAME",
+    "POLICY_NAMES",
     "CGXOptions",
     "CGXState",
     "CGXWork",

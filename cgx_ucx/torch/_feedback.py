@@ -7,6 +7,11 @@ residual is that of the local quantization ``c - decode(encode(c))`` with the la
 bits and bucket size, the same round-to-nearest the engine applies to what this rank
 sends, so the error of one step is re-sent in the next (EF-SGD, Karimireddy et al.
 2019).
+
+A layer that an adaptive policy (or a changed configuration) switches to uncompressed
+gets its last residual added once and then none: the exact send delivers it, where
+dropping it would lose that step's error and keeping it would re-send a stale one
+whenever the layer is compressed again.
 """
 
 from __future__ import annotations
@@ -30,21 +35,38 @@ class LayerFeedback:
         from ..compression import ErrorFeedback
 
         self._ef = ErrorFeedback()
+        self._buckets: set[int] = set()  # bucket indices that hold a residual
+
+    def holds(self, index: int) -> bool:
+        """True when bucket ``index`` has a residual (to add even if nothing is compressed)."""
+        return index in self._buckets
 
     def apply(self, index: int, buf: torch.Tensor, layout: Layout) -> None:
-        """Add each compressed layer's residual to ``buf`` in place; keep the new one."""
+        """Add each compressed layer's residual to ``buf`` in place; keep the new one.
+
+        An uncompressed layer that still holds a residual gets it added, once.
+        """
         from ..compression import decode, encode
 
         ef = self._ef
         flat = buf.detach()
         for i, spec in enumerate(layout):
-            if not spec.compressed or spec.numel == 0:
+            if spec.numel == 0:
                 continue
             key = (index, i)
             old = ef.residual(key)
             if old is not None and old.shape[0] != spec.numel:
                 ef.reset(key)  # the buckets were rebuilt: that residual was another layer's
+                old = None
             layer = flat[spec.offset : spec.end]
+            if not spec.compressed:
+                if old is not None:  # sent exactly from now on: flush the residual once
+                    layer.add_(torch.from_numpy(_host(old)).to(layer.device, layer.dtype))
+                    ef.reset(key)
+                    if not any(k[0] == index for k in ef.keys()):  # noqa: SIM118 (not iterable)
+                        self._buckets.discard(index)
+                continue
+            self._buckets.add(index)
             x = as_array(layer)
             if layer.dtype == torch.float32:
                 comp = ef.compensate(key, x, out=x)
@@ -70,3 +92,9 @@ class LayerFeedback:
         except (ValueError, TypeError, AttributeError) as exc:
             raise ConfigError(f"not an error-feedback state: {exc}") from exc
         self._ef.load_state_dict(loaded)
+        self._buckets = {b for b, _ in loaded}
+
+
+def _host(a: Any) -> Any:
+    """A NumPy copy of a residual (CuPy arrays live on the GPU)."""
+    return a.get() if type(a).__module__.split(".", 1)[0] == "cupy" else a

@@ -86,10 +86,32 @@ class CGXOptions:
     variables; None keeps reading them at each all_reduce. ``comm`` is the base of the
     communicator's configuration (the init_process_group ``timeout``, when given,
     overrides its ``timeout``).
+
+    ``policy`` is ``"static"`` only: a group's ``all_reduce`` sees one flat tensor (DDP
+    without a hook sends whole buckets), not the model's layers that the adaptive
+    policies assign bits to, nor the step boundaries at which ranks agree on a new
+    assignment. Select those where the layers are known:
+    ``CGXState(..., policy="kmeans", model=model)`` for DDP, ``GradientSync(model,
+    policy=...)`` otherwise; any other value here is a ConfigError saying so.
     """
 
     compression: CompressionConfig | None = None
     comm: CommConfig | None = None
+    policy: str = "static"
+
+    def __post_init__(self) -> None:
+        if self.policy == "static":
+            return
+        from ..compression.adaptive import POLICIES
+
+        if self.policy in POLICIES:
+            raise ConfigError(
+                f"policy {self.policy!r} assigns bits per model layer, which a process "
+                "group's all_reduce does not see: use cgx_ucx.CGXState(..., "
+                f"policy={self.policy!r}, model=model) with DDP, or cgx_ucx.GradientSync("
+                f"model, policy={self.policy!r})"
+            )
+        raise ConfigError(f"unknown compression policy {self.policy!r}; a cgx group takes 'static'")
 
 
 def _comm_config(timeout: datetime.timedelta | None, options: CGXOptions | None) -> CommConfig:

@@ -24,6 +24,12 @@ How (numbered as in PyTorch's comm hooks):
 3. ``synchronize()`` starts the buckets whose parameters got no gradient in this
    backward (their values count as zero, as DDP's find_unused_parameters), waits for
    all with the communicator's timeout, and writes the averages into ``param.grad``.
+4. With an adaptive ``policy``: each bucket shows the policy this rank's gradients
+   before it is divided (``policy.observe``: work only on the steps before a decision
+   and on logging steps). After the averages are written, every rank runs the
+   policy's agreement for the next step (at construction for the first), which
+   communicates only at decision steps, and each bucket's layout becomes
+   ``policy.layout`` of its layers: nothing of this runs during backward.
 
 A parameter that gets no gradient in a backward pass holds its bucket, and to keep
 the order the buckets after it, until ``synchronize()``: pass only the parameters
@@ -40,6 +46,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import threading
+import time
 from collections.abc import Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,11 +54,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..compression.adaptive import AutoPolicy, LayerStats, Policy
 from ..config import CompressionConfig, resolve_comm, resolve_compression
 from ..errors import CGXTimeoutError, ConfigError
 from ..layout import Layout
 from ._convert import as_array
 from ._feedback import LayerFeedback
+from ._policy import DEFAULT_LOG_EVERY, PolicyRunner, check_policy_name, named_parameters
 from .backend import get_communicator
 from .hook import PAPER_DEFAULTS, layer_layout, wire_bytes
 
@@ -69,6 +78,7 @@ class _Bucket:
     offsets: list[int]
     buffer: torch.Tensor
     layout: Layout
+    indices: tuple[int, ...] = ()  # the policy's layer index of each parameter
     ready: set[int] = field(default_factory=set)  # slots whose gradient is in the buffer
     future: concurrent.futures.Future[Any] | None = None
 
@@ -82,9 +92,12 @@ class GradientSync:
 
     ``process_group`` (default WORLD) or an explicit engine ``communicator`` selects the
     ranks; on a non-``cgx`` group a cgx_ucx communicator is made, so construction is
-    collective. ``compression_params``, ``layer_min_size`` and ``error_feedback`` mean
-    what they mean for :class:`~cgx_ucx.torch.hook.CGXState` (paper defaults: 4 bits,
-    bucket 1024). Stats: ``steps``, ``bytes_sent``, ``bytes_per_step``.
+    collective. ``compression_params``, ``layer_min_size``, ``error_feedback``,
+    ``policy``, ``policy_params`` and ``log_every`` mean what they mean for
+    :class:`~cgx_ucx.torch.hook.CGXState` (paper defaults: 4 bits, bucket 1024, policy
+    ``"static"``); the policy's layers are the parameters given here, named after the
+    module's ``named_parameters()`` when a module is given. Stats: ``steps``,
+    ``bytes_sent``, ``bytes_per_step``, and per layer :meth:`stats`.
     """
 
     def __init__(
@@ -98,19 +111,15 @@ class GradientSync:
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         error_feedback: bool = False,
         timeout: float | None = None,
+        policy: str = "static",
+        policy_params: Mapping[str, Any] | None = None,
+        log_every: int = DEFAULT_LOG_EVERY,
     ) -> None:
         if isinstance(model_or_params, torch.nn.Module):
-            candidates = list(model_or_params.parameters())
-        else:
-            candidates = list(model_or_params)
-        params: list[torch.nn.Parameter] = []
-        seen: set[int] = set()
-        for p in candidates:
-            if not isinstance(p, torch.Tensor):
-                raise ConfigError(f"GradientSync takes a module or tensors, got {type(p)}")
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
+            named = named_parameters(model_or_params)
+        else:  # tensors, or (name, tensor) pairs
+            named = named_parameters(list(model_or_params))
+        params = [p for _, p in named]
         if not params:
             raise ConfigError("GradientSync got no parameters that require grad")
         if not bucket_cap_mb > 0:
@@ -118,10 +127,19 @@ class GradientSync:
         if not isinstance(layer_min_size, int) or layer_min_size < 0:
             raise ConfigError(f"layer_min_size must be an integer >= 0, got {layer_min_size!r}")
 
+        policy = check_policy_name(policy)
+        if policy == "static" and policy_params:
+            raise ConfigError("policy_params are for the adaptive policies; 'static' takes none")
+        if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 0:
+            raise ConfigError(f"log_every must be an integer >= 0, got {log_every!r}")
+
         # -- tuned by the user
         self.compression_params = dict(compression_params or {})
         self.layer_min_size = layer_min_size
         self.error_feedback = bool(error_feedback)
+        self.policy_name = policy
+        self.policy_params = dict(policy_params or {})
+        self.log_every = log_every
         config = self.compression  # validate now
         # -- internal
         if communicator is None:
@@ -129,11 +147,23 @@ class GradientSync:
         self.communicator = communicator
         self.world_size = int(communicator.world_size)
         self.timeout = timeout if timeout is not None else _comm_timeout(process_group)
+        self._runner = PolicyRunner(
+            policy,
+            named,
+            config,
+            layer_min_size,
+            communicator,
+            world_size=self.world_size,
+            timeout=self.timeout,
+            params=self.policy_params,
+            log_every=log_every,
+        )
         self._config = config
         self._feedback = LayerFeedback() if self.error_feedback else None
         self._lock = threading.Lock()
         self._enabled = True
         self._next = 0  # index of the next bucket to start
+        self._last_sync: float | None = None
         self._buckets = self._make_buckets(params, int(bucket_cap_mb * 1024 * 1024), config)
         self._slot: dict[int, tuple[_Bucket, int]] = {}
         for b in self._buckets:
@@ -145,12 +175,32 @@ class GradientSync:
         self.bytes_sent = 0
         self.bytes_per_step = 0
         self._step_bytes = 0
+        # The first step's assignment (collective at a decision step, e.g. auto's probe).
+        self._agree()
 
     # -- configuration -------------------------------------------------------------------
     @property
     def compression(self) -> CompressionConfig:
-        """The configuration buckets use (params > environment > paper defaults)."""
+        """The configuration buckets use (params > environment > paper defaults).
+
+        An adaptive policy uses its own, resolved at construction (``policy.config``).
+        """
         return resolve_compression(PAPER_DEFAULTS, **self.compression_params)
+
+    @property
+    def policy(self) -> Policy:
+        """The policy that assigns each layer's bits and bucket size."""
+        return self._runner.policy
+
+    def stats(self) -> list[LayerStats]:
+        """Per layer: name, size, bits (32: uncompressed), bucket size, bytes of one
+        encoded copy, and the relative quantization error measured at the last
+        ``log_every`` step (NaN before one; 0 uncompressed)."""
+        return self._runner.stats()
+
+    def stats_table(self) -> str:
+        """:meth:`stats` as a plain-text table."""
+        return self._runner.stats_table()
 
     @property
     def buckets_started(self) -> int:
@@ -187,8 +237,12 @@ class GradientSync:
                 offsets.append(total)
                 total += p.numel()
             buffer = torch.zeros(total, dtype=group[0].dtype, device=group[0].device)
-            layout = layer_layout(group, config, self.layer_min_size)
-            buckets.append(_Bucket(index, group, offsets, buffer, layout))
+            indices = self._runner.indices(group)
+            if self.policy_name == "static":
+                layout = layer_layout(group, config, self.layer_min_size)
+            else:
+                layout = self._runner.layout(indices)
+            buckets.append(_Bucket(index, group, offsets, buffer, layout, indices))
         return buckets
 
     # -- hooks ---------------------------------------------------------------------------
@@ -221,9 +275,16 @@ class GradientSync:
     def _start(self, bucket: _Bucket) -> None:
         config = self._config
         buf = bucket.buffer
+        if self._runner.policy.observing(self.steps):
+            views = [
+                buf[off : off + p.numel()]
+                for p, off in zip(bucket.params, bucket.offsets, strict=True)
+            ]
+            self._runner.observe(self.steps, views, bucket.indices)
         buf.div_(self.world_size)
-        if self._feedback is not None and bucket.layout.compressed:
-            self._feedback.apply(bucket.index, buf, bucket.layout)
+        fb = self._feedback
+        if fb is not None and (bucket.layout.compressed or fb.holds(bucket.index)):
+            fb.apply(bucket.index, buf, bucket.layout)
         seed = (config.seed + (self.steps << 20) + bucket.index) % (1 << 64)
         bucket.future = self.communicator.allreduce(
             as_array(buf), op="sum", layout=bucket.layout, stochastic=config.stochastic, seed=seed
@@ -267,12 +328,31 @@ class GradientSync:
         self.steps += 1
         self.bytes_sent += self._step_bytes
         self.bytes_per_step, self._step_bytes = self._step_bytes, 0
+        if self.policy_name != "static":
+            return
         # The next step's layouts follow the configuration in force now.
         config = self.compression
         if config != self._config:
             self._config = config
+            self._runner.retarget(config, self.layer_min_size)
             for b in self._buckets:
                 b.layout = layer_layout(b.params, config, self.layer_min_size)
+
+    def _agree(self) -> None:
+        """The policy's agreement for step ``steps`` (collective at decision steps) and
+        the buckets' layouts from its assignment."""
+        now = time.perf_counter()
+        policy = self._runner.policy
+        if self._last_sync is not None and isinstance(policy, AutoPolicy):
+            policy.record_step_time(now - self._last_sync)
+        self._last_sync = now
+        self._runner.agree(self.steps)
+        self._relayout()
+
+    def _relayout(self) -> None:
+        if self.policy_name != "static":
+            for b in self._buckets:
+                b.layout = self._runner.layout(b.indices)
 
     def _raise_first(self, futures: list[concurrent.futures.Future[Any]]) -> None:
         for f in futures:
@@ -299,6 +379,7 @@ class GradientSync:
             )
         self._raise_first(futures)
         self._finish()
+        self._agree()
 
     async def synchronize_async(self) -> None:
         """:meth:`synchronize` for asyncio loops: waits without blocking the loop."""
@@ -316,25 +397,40 @@ class GradientSync:
             self._reset_after_error()
             raise
         self._finish()
+        if self._runner.due(self.steps):
+            # A decision step communicates (and auto probes the link) through the
+            # synchronous communicator: on a worker thread, so this loop runs meanwhile.
+            await asyncio.to_thread(self._agree)
+        else:
+            self._agree()  # no communication: at most a log line
 
     def __await__(self) -> Generator[Any, None, None]:
         return self.synchronize_async().__await__()
 
     # -- checkpointing and lifetime ----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """Step count, error-feedback residuals and the policy's state (tensors and
+        plain values: ``torch.load(weights_only=True)`` reads it). Saved between steps,
+        it holds the assignment already agreed for the next step."""
         residuals = self._feedback.state_dict() if self._feedback is not None else {}
-        return {"steps": self.steps, "residuals": residuals}
+        return {"steps": self.steps, "residuals": residuals, "policy": self._runner.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (between steps; a policy state must be of
+        the same policy and parameters, a state without one keeps the fresh policy)."""
         try:
             steps = int(state["steps"])
             residuals = state["residuals"]
-        except (KeyError, ValueError, TypeError) as exc:
+            policy_state = state.get("policy")
+        except (KeyError, ValueError, TypeError, AttributeError) as exc:
             raise ConfigError(f"not a GradientSync state dict: {exc!r}") from exc
+        if residuals and self._feedback is None:
+            raise ConfigError("the state holds error-feedback residuals but error_feedback is off")
+        if policy_state is not None:
+            self._runner.load_state_dict(policy_state)
+            self._relayout()
         if self._feedback is not None:
             self._feedback.load_state_dict(residuals)
-        elif residuals:
-            raise ConfigError("the state holds error-feedback residuals but error_feedback is off")
         self.steps = steps
 
     def remove(self) -> None:
@@ -347,7 +443,7 @@ class GradientSync:
         return (
             f"GradientSync({sum(len(b.params) for b in self._buckets)} params in "
             f"{len(self._buckets)} buckets, world_size={self.world_size}, "
-            f"compression={self._config})"
+            f"compression={self._config}, policy={self.policy_name!r})"
         )
 
 

@@ -8,14 +8,23 @@ confuse it (torch_cgx issue #5).
 
 Algorithm of one call (``cgx_hook(state, bucket)``):
 
-1. Layout: one layer per gradient in the bucket; 1-D tensors (biases, norms) and
-   layers under ``max(layer_min_size, minimal_size)`` values go uncompressed
-   (CGX paper, section 4: they are a small share of the bytes and sensitive).
-2. Divide the bucket by the world size first (as PyTorch's allreduce_hook, so fp16
-   sums do not overflow).
-3. With error feedback: add each compressed layer's residual from the previous step
+1. First call of a step, with a policy: ``auto`` records the time since the previous
+   step's first call; then every rank runs the policy's agreement
+   (:func:`~cgx_ucx.compression.adaptive.agree_sync`), which communicates only at the
+   policy's decision steps. Every rank does it before its first bucket's allreduce, so
+   the collectives pair up in the same order everywhere.
+2. Layout: one layer per gradient in the bucket. ``policy="static"`` (the default):
+   1-D tensors (biases, norms) and layers under ``max(layer_min_size, minimal_size)``
+   values go uncompressed (CGX paper, section 4: they are a small share of the bytes
+   and sensitive), the rest at ``compression_params``. An adaptive policy gives each
+   layer its bits and bucket size (``policy.layout`` of the bucket's layer indices),
+   after seeing this rank's gradients (``policy.observe``, which works only on the
+   steps before a decision and on logging steps).
+3. Divide the bucket by the world size (as PyTorch's allreduce_hook, so fp16 sums do
+   not overflow).
+4. With error feedback: add each compressed layer's residual from the previous step
    and keep the new residual ``c - decode(encode(c))`` of what is sent.
-4. Submit the compressed allreduce (SUM) to the engine and return a torch future at
+5. Submit the compressed allreduce (SUM) to the engine and return a torch future at
    once: backward goes on while the bucket travels.
 """
 
@@ -29,11 +38,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import CompressionConfig, resolve_compression
+from ..compression.adaptive import LayerStats, Policy
+from ..config import CompressionConfig, resolve_comm, resolve_compression
 from ..errors import ConfigError
 from ..layout import Layout
 from ._convert import as_array, is_float
 from ._feedback import LayerFeedback
+from ._policy import DEFAULT_LOG_EVERY, PolicyRunner, check_policy_name, named_parameters
 from .backend import get_communicator
 from .futures import to_torch_future
 
@@ -87,16 +98,38 @@ class CGXState:
             CGX_COMPRESSION_MINIMAL_SIZE value).
         compression_params: ``{"bits": 4, "bucket_size": 1024}`` and optionally
             ``"stochastic"``, ``"seed"``. Given keys win over the CGX_COMPRESSION_*
-            environment, read at each call; missing ones come from the environment,
-            else the paper's defaults (4 bits, bucket 1024).
+            environment; missing ones come from the environment, else the paper's
+            defaults (4 bits, bucket 1024). With ``policy="static"`` they are read at
+            each call (a script may change the environment between steps); an adaptive
+            policy resolves them once, here, as its base configuration.
         error_feedback: carry each step's quantization error into the next.
+        policy: who decides each layer's bits and bucket size
+            (:mod:`cgx_ucx.compression.adaptive`): ``"static"`` (default, the paper's
+            setting: ``compression_params`` on every large multi-dimensional layer,
+            exactly the hook's behaviour without a policy), ``"kmeans"`` (CGX's
+            adjuster), ``"budget"`` (fewest bytes at uniform 4-bit's error) or
+            ``"auto"`` (compress a layer only where the measured link and codec say it
+            saves time).
+        policy_params: keyword arguments of the policy's class (e.g.
+            ``{"schedule": Schedule(warmup=50, interval=500, window=20)}``, ``bits_min``,
+            ``budget_scale``, ``link_bandwidth``); ``auto`` gets ``world_size`` and a
+            link probe over this state's communicator unless given.
+        model: the module DDP trains (the DDP wrapper or its ``.module``), or its
+            ``named_parameters()``: the policy's layers, one per parameter that
+            requires grad. Required by the adaptive policies (every rank must know all
+            layers before the first decision); with ``"static"`` it only names the
+            layers in :meth:`stats`, else they are found in the first step's buckets.
+        log_every: measure each layer's relative quantization error every this many
+            steps and log the assignment at INFO (logger ``cgx_ucx.adaptive``; nothing
+            is formatted unless INFO is enabled). 0 turns both off.
 
-    Internal: the communicator, per-bucket layouts, residuals.
+    Internal: the communicator, the policy, per-bucket residuals.
 
     Stats: ``steps`` (DDP iterations seen), ``bytes_sent`` (payload bytes this rank
     sent through the hook, all steps), ``bytes_per_step`` (of the last full step);
     both computed from the bucket layouts (:func:`wire_bytes`). The communicator's
     ``stats.bytes_sent`` counts everything it really sent, frame headers included.
+    :meth:`stats` lists each layer's assignment and error.
     """
 
     def __init__(
@@ -107,6 +140,10 @@ class CGXState:
         *,
         error_feedback: bool = False,
         communicator: Any = None,
+        policy: str = "static",
+        policy_params: Mapping[str, Any] | None = None,
+        model: Any = None,
+        log_every: int = DEFAULT_LOG_EVERY,
     ) -> None:
         # -- tuned by the user
         self.process_group = process_group if process_group is not None else dist.group.WORLD
@@ -117,7 +154,21 @@ class CGXState:
         self.layer_min_size = layer_min_size
         self.compression_params = dict(compression_params or {})
         self.error_feedback = bool(error_feedback)
-        _ = self.compression  # validates compression_params now, not at the first backward
+        self.policy_name = check_policy_name(policy)
+        self.policy_params = dict(policy_params or {})
+        if self.policy_name == "static" and self.policy_params:
+            raise ConfigError("policy_params are for the adaptive policies; 'static' takes none")
+        if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 0:
+            raise ConfigError(f"log_every must be an integer >= 0, got {log_every!r}")
+        self.log_every = log_every
+        config = self.compression  # validates compression_params now, not at the first backward
+        named = named_parameters(model) if model is not None else None
+        if self.policy_name != "static" and not named:
+            raise ConfigError(
+                f"policy {self.policy_name!r} needs model= (the module DDP trains, or its "
+                "named_parameters()): every rank must know all layers before the first "
+                "decision"
+            )
         # -- internal
         self.communicator = (
             communicator if communicator is not None else get_communicator(self.process_group)
@@ -125,35 +176,120 @@ class CGXState:
         self.world_size = self.process_group.size()
         self._feedback = LayerFeedback() if self.error_feedback else None
         self._lock = threading.Lock()
+        self._runner: PolicyRunner | None = None
+        self._discovered: list[torch.Tensor] | None = None  # static without model=
+        if named:
+            self._runner = self._make_runner(named, config)
+        elif self.policy_name == "static":
+            self._discovered = []
+        self._in_step = False  # a bucket of the current step has been seen
         # -- stats
         self.steps = 0
         self.bytes_sent = 0
         self.bytes_per_step = 0
         self._step_bytes = 0
 
+    def _make_runner(
+        self, named: list[tuple[str, torch.Tensor]], config: CompressionConfig
+    ) -> PolicyRunner:
+        return PolicyRunner(
+            self.policy_name,
+            named,
+            config,
+            self.layer_min_size,
+            self.communicator,
+            world_size=self.world_size,
+            timeout=_timeout_of(self.communicator),
+            params=self.policy_params,
+            log_every=self.log_every,
+        )
+
     @property
     def compression(self) -> CompressionConfig:
-        """The configuration the next call uses (params > environment > paper)."""
+        """The configuration the next call uses (params > environment > paper).
+
+        An adaptive policy uses its own, resolved at construction (``policy.config``).
+        """
         return resolve_compression(PAPER_DEFAULTS, **self.compression_params)
+
+    @property
+    def policy(self) -> Policy | None:
+        """The policy in force (None: ``"static"`` before its layers are known)."""
+        return self._runner.policy if self._runner is not None else None
+
+    # -- visibility ----------------------------------------------------------------------
+    def stats(self) -> list[LayerStats]:
+        """Per layer: name, size, bits (32: uncompressed), bucket size, bytes of one
+        encoded copy, and the relative quantization error measured at the last
+        ``log_every`` step (NaN before one; 0 uncompressed).
+
+        Empty with ``policy="static"`` and no ``model=`` until the first step has shown
+        every parameter.
+        """
+        return self._runner.stats() if self._runner is not None else []
+
+    def stats_table(self) -> str:
+        """:meth:`stats` as a plain-text table."""
+        return self._runner.stats_table() if self._runner is not None else "(no layers yet)"
 
     # -- checkpointing -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Checkpointable state: step count and error-feedback residuals (as tensors)."""
+        """Checkpointable state: step count, error-feedback residuals and the policy's
+        state, all tensors and plain values (``torch.load(weights_only=True)`` reads it)."""
         residuals = self._feedback.state_dict() if self._feedback is not None else {}
-        return {"steps": self.steps, "residuals": residuals}
+        state: dict[str, Any] = {"steps": self.steps, "residuals": residuals}
+        if self._runner is not None:
+            state["policy"] = self._runner.state_dict()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output."""
+        """Restore :meth:`state_dict` output (a policy state must be of the same policy
+        and model; a state without one keeps the fresh policy)."""
         try:
             steps = int(state["steps"])
             residuals = state["residuals"]
-        except (KeyError, ValueError, TypeError) as exc:
+            policy_state = state.get("policy")
+        except (KeyError, ValueError, TypeError, AttributeError) as exc:
             raise ConfigError(f"not a CGXState state dict: {exc!r}") from exc
+        if residuals and self._feedback is None:
+            raise ConfigError("the state holds error-feedback residuals but error_feedback is off")
+        if policy_state is not None and self._runner is not None:
+            self._runner.load_state_dict(policy_state)
+        # (static without model=: nothing to restore but measured errors; they come back
+        # at the next logging step)
         if self._feedback is not None:
             self._feedback.load_state_dict(residuals)
-        elif residuals:
-            raise ConfigError("the state holds error-feedback residuals but error_feedback is off")
         self.steps = steps
+
+    # -- per call -------------------------------------------------------------------------
+    def _layout(self, bucket: dist.GradBucket, config: CompressionConfig) -> Layout:
+        """Step start (agreement), observation and the layout of ``bucket``."""
+        runner = self._runner
+        if not self._in_step:
+            self._in_step = True
+            if runner is not None:
+                runner.step_started(self.steps)
+        grads = bucket.gradients()
+        if runner is None:
+            if self._discovered is not None:
+                self._discovered.extend(bucket.parameters())
+            return layer_layout(grads, config, self.layer_min_size)
+        indices = runner.indices(bucket.parameters())
+        runner.observe(self.steps, grads, indices)
+        if self.policy_name == "static":
+            # The paper's rule, re-read at each call: bit for bit the hook without a policy.
+            if config != runner.config:
+                runner.retarget(config, self.layer_min_size)
+            return layer_layout(grads, config, self.layer_min_size)
+        return runner.layout(indices)
+
+    def _end_step(self) -> None:
+        self._in_step = False
+        if self._discovered is not None:
+            params, self._discovered = self._discovered, None
+            named = named_parameters(params)
+            if named:
+                self._runner = self._make_runner(named, self.compression)
 
     # -- accounting ------------------------------------------------------------------------
     def _account(self, nbytes: int, last: bool) -> None:
@@ -168,26 +304,43 @@ class CGXState:
     def __repr__(self) -> str:
         return (
             f"CGXState(world_size={self.world_size}, layer_min_size={self.layer_min_size}, "
-            f"compression={self.compression}, error_feedback={self.error_feedback})"
+            f"compression={self.compression}, error_feedback={self.error_feedback}, "
+            f"policy={self.policy_name!r})"
         )
+
+
+def _timeout_of(communicator: Any) -> float:
+    """The communicator's per-wait deadline (CommConfig.timeout), for the agreement."""
+    try:
+        return float(communicator.comm.config.timeout)
+    except AttributeError:
+        return resolve_comm().timeout
 
 
 def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average ``bucket`` across ranks with compressed allreduce; returns at once.
 
     Register with ``ddp_model.register_comm_hook(state, cgx_hook)``. The future's value
-    is the averaged bucket buffer, as DDP expects.
+    is the averaged bucket buffer, as DDP expects. With an adaptive policy the first
+    call of a step may block: at the policy's decision steps, every rank agrees on the
+    new assignment (a small allreduce and broadcast, plus ``auto``'s link probe) before
+    the step's first bucket is sent.
     """
     buf = bucket.buffer()
-    config = state.compression
-    layout = layer_layout(bucket.gradients(), config, state.layer_min_size)
+    config = state.compression if state.policy_name == "static" else state._runner.config
+    last = bucket.is_last()
+    try:
+        layout = state._layout(bucket, config)
+    finally:
+        if last:
+            state._end_step()
     buf.div_(state.world_size)
-    if state._feedback is not None and layout.compressed:
+    if state._feedback is not None and (layout.compressed or state._feedback.holds(bucket.index())):
         state._feedback.apply(bucket.index(), buf, layout)
     # A different stochastic-rounding seed for every step and bucket (codec contract).
     seed = (config.seed + (state.steps << 20) + bucket.index()) % (1 << 64)
     cf = state.communicator.allreduce(
         as_array(buf), op="sum", layout=layout, stochastic=config.stochastic, seed=seed
     )
-    state._account(wire_bytes(layout, buf.element_size(), state.world_size), bucket.is_last())
+    state._account(wire_bytes(layout, buf.element_size(), state.world_size), last)
     return to_torch_future(cf, lambda _: buf)
