@@ -14,6 +14,10 @@ same model, from the same seed on the same data order, twice:
 Rank 0 prints final test accuracy, mean step time and the gradient bytes each rank
 sent per step. The data (1797 8x8 images) ships with scikit-learn: nothing is
 downloaded.
+
+``--policy kmeans|budget|auto`` lets an adaptive policy choose each layer's bits in
+the cgx run (``CGXState(..., policy=..., model=ddp)``; "static" is the paper's
+setting) and prints its final per-layer assignment.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class Result:
     bytes_measured: bool  # True: the communicator's counter; False: computed (gloo)
     steps: int
     final_loss: float
+    layers: str = ""  # the policy's per-layer table (cgx runs)
 
 
 class DigitsCNN(nn.Module):
@@ -93,8 +98,10 @@ def train(
     batch_size: int = 32,
     lr: float = 0.1,
     seed: int = 0,
+    policy: str = "static",
 ) -> Result:
-    """Train from ``seed`` on ``group``; ``mode`` is "cgx" (cgx_hook) or "plain" (default)."""
+    """Train from ``seed`` on ``group``; ``mode`` is "cgx" (cgx_hook with ``policy``) or
+    "plain" (DDP's default allreduce)."""
     rank, world = group.rank(), group.size()
     xtr, ytr, xte, yte = load_data(seed)
     torch.manual_seed(seed)
@@ -102,7 +109,12 @@ def train(
     ddp = DDP(model, process_group=group)
     state = None
     if mode == "cgx":
-        state = CGXState(group, compression_params={"bits": bits, "bucket_size": 1024})
+        state = CGXState(
+            group,
+            compression_params={"bits": bits, "bucket_size": 1024},
+            policy=policy,
+            model=ddp,
+        )
         ddp.register_comm_hook(state, cgx_hook)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     per_rank = len(ytr) // world
@@ -141,14 +153,21 @@ def train(
         grads = [p for p in model.parameters() if p.requires_grad]
         layout = Layout.uniform(sum(p.numel() for p in grads))
         nbytes, measured = wire_bytes(layout, 4, world), False
+    if mode != "cgx":
+        name = "gloo fp32"
+    elif policy == "static":
+        name = f"cgx {bits}-bit"
+    else:
+        name = f"cgx {policy}"
     return Result(
-        mode=f"cgx {bits}-bit" if mode == "cgx" else "gloo fp32",
+        mode=name,
         accuracy=accuracy,
         step_ms=1000.0 * float(np.mean(warm)),
         bytes_per_step=int(nbytes),
         bytes_measured=measured,
         steps=len(times),
         final_loss=float(loss.item()),
+        layers=state.stats_table() if state is not None else "",
     )
 
 
@@ -178,6 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.1, help="peak of the one-cycle schedule")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--policy",
+        default="static",
+        choices=list(cgx_torch.POLICY_NAMES),
+        help="who picks each layer's bits in the cgx run (static: the paper's 4-bit rule)",
+    )
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
 
@@ -189,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed
     )
     results = [
-        train("cgx", dist.group.WORLD, bits=args.bits, **kw),
+        train("cgx", dist.group.WORLD, bits=args.bits, policy=args.policy, **kw),
         train("plain", gloo, **kw),
     ]
     if dist.get_rank() == 0:
@@ -203,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             "counter (payload + frame headers); gloo: 2(W-1)/W x the fp32 gradient bytes\n"
             "(reduce-scatter + allgather), as gloo keeps no counters."
         )
+        print(f"\n{results[0].mode}: final per-layer assignment\n{results[0].layers}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump([asdict(r) for r in results], f, indent=2)
