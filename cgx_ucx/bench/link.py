@@ -373,6 +373,10 @@ def _train(
                 "step_s_median": _median(times),
                 "tx_bytes_per_step": max(tx) if None not in tx else None,
                 "eval_loss": ranks[0]["eval_loss"],
+                # Rank 0's mean phase times: backward includes waiting for the last bucket.
+                "forward_s_mean": ranks[0].get("forward_s_mean"),
+                "backward_s_mean": ranks[0].get("backward_s_mean"),
+                "optimizer_s_mean": ranks[0].get("optimizer_s_mean"),
                 "loss_curve_rank0": ranks[0]["losses"],
                 "replicas_identical": len({r["param_digest"] for r in ranks}) == 1,
             }
@@ -420,12 +424,19 @@ def _tables(configs: list[dict[str, Any]]) -> str:
                     t["tx_bytes_per_step"] / MIB if t["tx_bytes_per_step"] else "-",
                     t["eval_loss"],
                     f"{100 * t['loss_vs_gloo']:+.2f}%",
+                    "/".join(
+                        f"{1e3 * t[k]:.0f}" if t.get(k) is not None else "-"
+                        for k in ("forward_s_mean", "backward_s_mean", "optimizer_s_mean")
+                    ),
                 ]
             )
     if train_rows:
         thead = ["world", "link", "backend", "bits", "step ms", "speedup", "wire MiB/step"]
-        thead += ["eval loss", "loss vs gloo"]
-        text += "\n\nDDP training (MLP, mean step time over the timed steps)\n"
+        thead += ["eval loss", "loss vs gloo", "fwd/bwd/opt ms"]
+        text += (
+            "\n\nDDP training (MLP, mean step time over the timed steps; bwd includes "
+            "waiting for the last bucket)\n"
+        )
         text += format_table(thead, train_rows)
     return text
 

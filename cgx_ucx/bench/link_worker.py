@@ -301,6 +301,7 @@ def _train_job(args: argparse.Namespace) -> dict[str, Any]:
     nparams = sum(p.numel() for p in model.parameters())
     data = [batch(10_000 * (rank + 1) + s, args.batch) for s in range(args.warmup + args.steps)]
     times: list[float] = []
+    phases: list[tuple[float, float, float]] = []  # forward, backward (+ waiting), optimizer
     losses: list[float] = []
     tx_start = 0
     for step, (x, y) in enumerate(data):
@@ -309,12 +310,15 @@ def _train_job(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(ddp(x), y)
+        t1 = time.perf_counter()
         loss.backward()  # DDP waits here for the last bucket's allreduce
+        t2 = time.perf_counter()
         opt.step()
-        dt = time.perf_counter() - t0
+        t3 = time.perf_counter()
         losses.append(float(loss))
         if step >= args.warmup:
-            times.append(dt)
+            times.append(t3 - t0)
+            phases.append((t1 - t0, t2 - t1, t3 - t2))
         _progress(rank, phase="train", backend=args.backend, step=step + 1, of=len(data))
     tx = _tx_bytes() - tx_start if tx_start >= 0 else -1
     xe, ye = batch(999_999, 2048)
@@ -329,6 +333,9 @@ def _train_job(args: argparse.Namespace) -> dict[str, Any]:
         "bits": args.bits if args.backend == "cgx" else 32,
         "params": nparams,
         "step_times": times,
+        "forward_s_mean": float(np.mean([p[0] for p in phases])) if phases else None,
+        "backward_s_mean": float(np.mean([p[1] for p in phases])) if phases else None,
+        "optimizer_s_mean": float(np.mean([p[2] for p in phases])) if phases else None,
         "losses": losses,
         "eval_loss": eval_loss,
         "param_digest": digest,
