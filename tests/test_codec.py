@@ -290,12 +290,13 @@ def test_parallel_kernels_match_reference(dtype: np.dtype) -> None:
         acc = np.ones(n, np.float32)
         decode_add(a, acc)
         assert np.array_equal(acc, np.float32(1) + reference.decode(a, out=np.empty(n, np.float32)))
-        cpu.set_num_threads(1)  # the serial kernels on the same data
-        try:
-            assert np.array_equal(encode(x, bits, bucket, stochastic=stochastic, seed=3), a)
-            assert np.array_equal(decode(a), reference.decode(a))
-        finally:
-            cpu.set_num_threads(None)
+        for threads in (1, 3):  # all on the calling thread; more helpers than cores
+            cpu.set_num_threads(threads)
+            try:
+                assert np.array_equal(encode(x, bits, bucket, stochastic=stochastic, seed=3), a)
+                assert np.array_equal(decode(a), reference.decode(a))
+            finally:
+                cpu.set_num_threads(None)
     with pytest.raises(ConfigError):
         cpu.set_num_threads(0)
 
@@ -368,7 +369,7 @@ def test_out_buffers_are_reused_not_allocated() -> None:
 @pytest.mark.parametrize("offset", [1, 2, 3, 5])
 def test_segments_at_unaligned_offsets(offset: int) -> None:
     # segments are packed back to back in one message: meta and values at any address
-    x = make_values(offset, 70_001, np.dtype(np.float32), "normal")  # parallel kernels
+    x = make_values(offset, 300_001, np.dtype(np.float32), "normal")  # shared with helpers
     for bits, bucket in ((4, 1024), (3, 100)):
         need = encoded_nbytes(x.size, bits, bucket)
         msg = np.zeros(need + offset + 8, np.uint8)
@@ -565,3 +566,16 @@ def test_import_needs_neither_numba_nor_cupy() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_helper_thread_errors_reach_the_caller() -> None:
+    def run(c0: int, c1: int) -> None:
+        if c0 > 0:
+            raise ValueError("boom")
+
+    cpu.set_num_threads(2)
+    try:
+        with pytest.raises(ValueError, match="boom"):
+            cpu._run_chunks(run, cpu.PARALLEL_MIN_NUMEL, 64, cpu.BATCH_VALUES // 8)
+    finally:
+        cpu.set_num_threads(None)

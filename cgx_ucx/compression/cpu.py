@@ -6,7 +6,9 @@ threads ever write the same byte, whatever the bit width. Each bucket of a chunk
 once from memory, reduced to (min, max) and quantized into a per-thread scratch of codes
 while it is still in L1; the chunk's codes are then bit-packed from that scratch. With the
 usual bucket sizes (multiples of 8, e.g. 512 or 1024) a chunk is one bucket. Decode runs
-the same way backwards (unpack to scratch, then dequantize or accumulate).
+the same way backwards (unpack to scratch, then dequantize or accumulate). Large calls
+share their chunks with helper threads (:func:`_run_chunks`); the kernels run without the
+GIL.
 
 The float32 arithmetic is the reference's (see :mod:`.codec`) with no fast-math and no
 fused multiply-add, so the bytes equal :mod:`.reference`'s exactly; the tests check it.
@@ -19,11 +21,14 @@ cached on disk (``cache=True``).
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
+import threading
+from collections.abc import Callable
 from typing import Any
 
-import numba
 import numpy as np
-from numba import njit, prange, types
+from numba import njit, types
 from numba.extending import overload
 
 from ..errors import ConfigError
@@ -41,10 +46,10 @@ __all__ = [
     "warmup",
 ]
 
-#: Below this many values a call runs on the calling thread. Measured here (2 cores,
-#: float32, 4 bits, B=1024): 16 Ki values take 4.4 us serial and 4.3 us parallel, 64 Ki
-#: 15 us and 9.6 us; small calls also stay clear of threads busy elsewhere.
-PARALLEL_MIN_NUMEL = 1 << 16
+#: Below this many values a call stays on the calling thread: handing batches to a helper
+#: thread costs 20-40 us here (submit, wake-up, GIL hand-off), 256 Ki values take about
+#: 70 us on one core (float32, 4 bits, B=1024, measured on this 2-core machine).
+PARALLEL_MIN_NUMEL = 1 << 18
 
 _GOLDEN = np.uint64(GOLDEN)
 _MIX1 = np.uint64(MIX1)
@@ -276,18 +281,11 @@ def _encode_chunk(x, n, bits, bsize, k, stochastic, key, meta, codes, chunk, sc)
     _pack(sc, m, bits, codes[off : off + (m * bits + 7) // 8])
 
 
-@njit(parallel=True, cache=True)
-def _encode_parallel(x, n, bits, bsize, k, stochastic, key, meta, codes, nchunks, nblocks, nsc):
-    for blk in prange(nblocks):
-        sc = np.empty(nsc, dtype=np.uint8)  # per-thread scratch: the only allocation
-        for c in range(blk * nchunks // nblocks, (blk + 1) * nchunks // nblocks):
-            _encode_chunk(x, n, bits, bsize, k, stochastic, key, meta, codes, c, sc)
-
-
-@njit(cache=True)
-def _encode_serial(x, n, bits, bsize, k, stochastic, key, meta, codes, nchunks, nblocks, nsc):
+@njit(nogil=True, cache=True)
+def _encode_range(x, n, bits, bsize, k, stochastic, key, meta, codes, c0, c1, nsc):
+    """Chunks [c0, c1), without the GIL; the scratch is this call's only allocation."""
     sc = np.empty(nsc, dtype=np.uint8)
-    for c in range(nchunks):
+    for c in range(c0, c1):
         _encode_chunk(x, n, bits, bsize, k, stochastic, key, meta, codes, c, sc)
 
 
@@ -364,18 +362,10 @@ def _decode_chunk(codes, meta, n, bits, bsize, k, out, add, chunk, sc):
         _dequantize(sc[s - cs : e - cs], out[s:e], meta[2 * b], meta[2 * b + 1], add)
 
 
-@njit(parallel=True, cache=True)
-def _decode_parallel(codes, meta, n, bits, bsize, k, out, add, nchunks, nblocks, nsc):
-    for blk in prange(nblocks):
-        sc = np.empty(nsc, dtype=np.uint8)
-        for c in range(blk * nchunks // nblocks, (blk + 1) * nchunks // nblocks):
-            _decode_chunk(codes, meta, n, bits, bsize, k, out, add, c, sc)
-
-
-@njit(cache=True)
-def _decode_serial(codes, meta, n, bits, bsize, k, out, add, nchunks, nblocks, nsc):
+@njit(nogil=True, cache=True)
+def _decode_range(codes, meta, n, bits, bsize, k, out, add, c0, c1, nsc):
     sc = np.empty(nsc, dtype=np.uint8)
-    for c in range(nchunks):
+    for c in range(c0, c1):
         _decode_chunk(codes, meta, n, bits, bsize, k, out, add, c, sc)
 
 
@@ -401,38 +391,124 @@ def _chunking(hdr: CodecHeader) -> tuple[int, int]:
     return k, -(-hdr.nbuckets // k)
 
 
-_threads: int | None = None  # set_num_threads(); None: Numba's default (all cores)
+# ---------------------------------------------------------------------------------------
+# parallelism: the caller and up to threads-1 helper threads take batches of chunks from a
+# shared cursor and run the GIL-free kernels on them. Not Numba's prange: a prange region
+# ends in a barrier that waits for every OpenMP thread, and on a host shared with busy
+# processes a thread that is not scheduled stalls each call by scheduler time slices
+# (measured here under load 5-8: a 1 MiB encode went from 40 us to 24 ms). Here a helper
+# that has not started yet finds the work done and touches nothing, so the caller waits at
+# most for batches already running. GNU OpenMP is also not fork-safe; plain threads are.
+
+#: Values per batch: 128 Ki values are about 10-30 us of work on one core here, so the
+#: cursor (a lock and a Numba call per batch, ~5 us) costs a few percent.
+BATCH_VALUES = 1 << 17
+
+_threads: int | None = None  # set_num_threads(); None: every core this process may use
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_size = 0
+_pool_lock = threading.Lock()
+
+
+def _available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
 
 
 def set_num_threads(n: int | None) -> None:
-    """Threads of the parallel kernels, for every calling thread; None restores all cores.
+    """Threads a large encode/decode may use (the caller's included); None: all cores.
 
-    A parallel call waits for its slowest thread, so on a host shared with other busy
-    processes (several ranks per host, or torch's own threads during backward) a second
-    thread that is not scheduled costs a scheduler time slice, milliseconds. Give each
-    rank ``cores // local_ranks`` (1 disables the parallel kernels).
+    On a host shared with other busy processes (several ranks per host, or torch's own
+    threads during backward) give each rank ``cores // local_ranks``; 1 keeps every call
+    on the calling thread.
     """
     global _threads
-    if n is not None:
-        limit = int(numba.config.NUMBA_NUM_THREADS)
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= limit:
-            raise ConfigError(f"codec threads must be an integer in 1..{limit}, got {n!r}")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ConfigError(f"codec threads must be an integer >= 1, got {n!r}")
     _threads = n
 
 
 def num_threads() -> int:
-    """Threads the parallel kernels use (set_num_threads, else Numba's, all cores)."""
-    return _threads if _threads is not None else int(numba.config.NUMBA_NUM_THREADS)
+    """Threads a large call uses: set_num_threads(), else the cores this process may use."""
+    return _threads if _threads is not None else _available_cores()
 
 
-def _parallel_blocks(n: int, nchunks: int) -> int:
-    """0 to run serially, else the parallel blocks (one per thread, each with a scratch)."""
-    threads = num_threads()
-    if threads == 1 or n < PARALLEL_MIN_NUMEL or nchunks < 2:
-        return 0
-    if numba.get_num_threads() != threads:  # Numba's setting is per calling thread
-        numba.set_num_threads(threads)
-    return min(nchunks, threads)
+def _helpers(count: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The helper threads (created on first use, grown when more are asked for)."""
+    global _pool, _pool_size
+    with _pool_lock:
+        if _pool is None or _pool_size < count:
+            old = _pool
+            _pool = concurrent.futures.ThreadPoolExecutor(count, thread_name_prefix="cgx-codec")
+            _pool_size = count
+            if old is not None:
+                old.shutdown(wait=False)
+        return _pool
+
+
+def _forget_pool_in_child() -> None:  # its threads do not exist after fork
+    global _pool, _pool_size
+    _pool, _pool_size = None, 0
+
+
+os.register_at_fork(after_in_child=_forget_pool_in_child)
+
+
+class _Batches:
+    """A shared cursor over chunks [0, nchunks), taken ``batch`` chunks at a time."""
+
+    def __init__(self, run: Callable[[int, int], None], nchunks: int, batch: int) -> None:
+        self.run, self.nchunks, self.batch = run, nchunks, batch
+        self.cursor = 0
+        self.active = 0
+        self.closed = False
+        self.error: BaseException | None = None
+        self.cv = threading.Condition()
+
+    def work(self) -> None:
+        while True:
+            with self.cv:
+                if self.closed or self.cursor >= self.nchunks:
+                    return
+                c0 = self.cursor
+                self.cursor = c1 = min(c0 + self.batch, self.nchunks)
+                self.active += 1
+            try:
+                self.run(c0, c1)
+            except BaseException as exc:  # re-raised on the caller's thread
+                self.error = self.error or exc
+            finally:
+                with self.cv:
+                    self.active -= 1
+                    self.cv.notify_all()
+
+    def finish(self) -> None:
+        """Close the cursor and wait only for the batches that are running.
+
+        The wait is bounded by one batch of kernel work (no I/O, no other dependency).
+        """
+        with self.cv:
+            self.closed = True
+            while self.active:
+                self.cv.wait()
+        if self.error is not None:
+            raise self.error
+
+
+def _run_chunks(run: Callable[[int, int], None], n: int, nchunks: int, chunk_values: int) -> None:
+    """``run(c0, c1)`` over all chunks: on this thread, or shared with helper threads."""
+    threads = min(num_threads(), nchunks)
+    if threads <= 1 or n < PARALLEL_MIN_NUMEL:
+        run(0, nchunks)
+        return
+    batches = _Batches(run, nchunks, max(1, BATCH_VALUES // chunk_values))
+    pool = _helpers(threads - 1)
+    for _ in range(threads - 1):
+        pool.submit(batches.work)
+    batches.work()
+    batches.finish()
 
 
 def _meta_view(buf: np.ndarray, hdr: CodecHeader) -> tuple[np.ndarray, bool]:
@@ -461,10 +537,14 @@ def encode_into(x: np.ndarray, hdr: CodecHeader, seed: int, buf: np.ndarray) -> 
     codes = buf[hdr.codes_offset :]
     k, nchunks = _chunking(hdr)
     key = np.uint64(seed_key(seed))
-    blocks = _parallel_blocks(n, nchunks)
-    kernel = _encode_parallel if blocks else _encode_serial
-    kernel(_kernel_view(x), n, hdr.bits, hdr.bucket_size, k, hdr.stochastic, key, meta, codes,
-           nchunks, blocks, min(k * hdr.bucket_size, n))  # fmt: skip
+    xk = _kernel_view(x)
+    nsc = min(k * hdr.bucket_size, n)  # scratch: one chunk of codes, never more than numel
+
+    def run(c0: int, c1: int) -> None:
+        _encode_range(xk, n, hdr.bits, hdr.bucket_size, k, hdr.stochastic, key, meta, codes,
+                      c0, c1, nsc)  # fmt: skip
+
+    _run_chunks(run, n, nchunks, k * hdr.bucket_size)
     if not is_view:
         buf[HEADER_NBYTES : hdr.codes_offset] = meta.view(np.uint8)
 
@@ -491,10 +571,12 @@ def _decode(buf: np.ndarray, hdr: CodecHeader, out: np.ndarray, add: bool) -> No
     meta, _ = _meta_view(buf, hdr)
     codes = buf[hdr.codes_offset :]
     k, nchunks = _chunking(hdr)
-    blocks = _parallel_blocks(n, nchunks)
-    kernel = _decode_parallel if blocks else _decode_serial
-    nsc = min(k * hdr.bucket_size, n)  # scratch: one chunk of codes, never more than numel
-    kernel(codes, meta, n, hdr.bits, hdr.bucket_size, k, target, add, nchunks, blocks, nsc)
+    nsc = min(k * hdr.bucket_size, n)
+
+    def run(c0: int, c1: int) -> None:
+        _decode_range(codes, meta, n, hdr.bits, hdr.bucket_size, k, target, add, c0, c1, nsc)
+
+    _run_chunks(run, n, nchunks, k * hdr.bucket_size)
 
 
 def decode_into(buf: np.ndarray, hdr: CodecHeader, out: np.ndarray) -> None:
@@ -505,16 +587,15 @@ def decode_add_into(buf: np.ndarray, hdr: CodecHeader, acc: np.ndarray) -> None:
     _decode(buf, hdr, acc, add=True)
 
 
-def warmup(dtypes: tuple[Any, ...] = (np.float32,), parallel: bool = True) -> None:
+def warmup(dtypes: tuple[Any, ...] = (np.float32,)) -> None:
     """Compile (or load from Numba's disk cache) the kernels the collectives use.
 
     Call it once before spawning workers or timing: a cold compile of one kernel takes
-    seconds (about 3 s serial, 5 s parallel on this 2-core machine), a cache load about
-    0.1 s. Covers encode (both roundings) and decode_add for ``dtypes`` and decode to
-    them, serial and, with ``parallel``, parallel kernels.
+    seconds on this 2-core machine, a cache load a fraction of a second. Covers encode,
+    decode_add and decode for ``dtypes`` (the same kernels serve serial and parallel
+    calls, and both roundings).
     """
-    sizes = [8, PARALLEL_MIN_NUMEL] if parallel else [8]
-    for n in sizes:
+    for n in (8,):
         for dt in dtypes:
             x = np.zeros(n, dtype=dt)
             hdr = CodecHeader(4, 1024, n, np.dtype(dt), False)
