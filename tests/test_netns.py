@@ -350,8 +350,11 @@ def test_cgx_allreduce_across_a_shaped_link_is_correct() -> None:
         sent = [link.egress_bytes(r) for r in range(2)]
         results = link.run_ranks([sys.executable, "-c", _ALLREDUCE_RANK], timeout=45)
         crossed = [link.egress_bytes(r) - sent[r] for r in range(2)]
-    # Bit-identical replicas on both ranks, at every width.
-    assert results[0].stdout == results[1].stdout and results[0].stdout.count("\n") == 3
+    # Bit-identical replicas on both ranks, at every width (UCX may print warnings too).
+    digests = [
+        [ln for ln in r.stdout.splitlines() if ln[:2] in ("2 ", "4 ", "8 ")] for r in results
+    ]
+    assert digests[0] == digests[1] and len(digests[0]) == 3, digests
     # The 1.2 MB of the exact allreduce alone went through each rank's shaped device.
     assert min(crossed) > 300_001 * 4, crossed
     assert _namespaces() == before
