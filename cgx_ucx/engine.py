@@ -226,11 +226,20 @@ def connect_sync(
     config: CommConfig | None = None,
     prefix: str = "cgx",
     host: str | None = None,
+    data_error_handling: bool = True,
 ) -> SyncCommunicator:
     """Blocking :func:`~cgx_ucx.collectives.connect` on the engine thread."""
     engine = Engine.get(retain=True)
     try:
-        coro = connect(store, rank, world_size, config=config, prefix=prefix, host=host)
+        coro = connect(
+            store,
+            rank,
+            world_size,
+            config=config,
+            prefix=prefix,
+            host=host,
+            data_error_handling=data_error_handling,
+        )
         comm = engine.run(coro)
     except BaseException:
         engine.release()

@@ -161,7 +161,8 @@ def test_ucx_defaults_never_override_the_user(monkeypatch):
         os.environ.pop("UCX_CGX_TEST_EXTRA", None)
     assert os.environ["UCX_TCP_TX_SEG_SIZE"] == "64K"
     assert os.environ["UCX_TCP_RX_SEG_SIZE"] == "1M"
-    assert applied == {"UCX_TCP_RX_SEG_SIZE": "1M", "UCX_CGX_TEST_EXTRA": "y"}
+    assert applied["UCX_TCP_RX_SEG_SIZE"] == "1M" and applied["UCX_CGX_TEST_EXTRA"] == "y"
+    assert "UCX_TCP_TX_SEG_SIZE" not in applied
 
 
 # -- a real UCX context in a child: idle CPU, env applied, clean shutdown ----------------
@@ -180,7 +181,12 @@ async def idle_and_shutdown(ctx):
     idle_cpu = time.process_time() - c0
     env = {
         k: os.environ.get(k)
-        for k in ("UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE", "UCX_MEMTYPE_CACHE")
+        for k in (
+            "UCX_TCP_TX_SEG_SIZE",
+            "UCX_TCP_RX_SEG_SIZE",
+            "UCX_MEMTYPE_CACHE",
+            "UCX_MM_ERROR_HANDLING",
+        )
     }
     await comm.close()
     import ucxx
@@ -205,5 +211,6 @@ def test_idle_communicator_does_not_spin_and_closes_cleanly():
             "UCX_TCP_TX_SEG_SIZE": "128K",
             "UCX_TCP_RX_SEG_SIZE": "1M",
             "UCX_MEMTYPE_CACHE": None,
+            "UCX_MM_ERROR_HANDLING": "y",
         }
         assert threads == [] and tasks == [] and reset

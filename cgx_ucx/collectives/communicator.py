@@ -75,6 +75,7 @@ async def connect(
     config: CommConfig | None = None,
     prefix: str = "cgx",
     host: str | None = None,
+    data_error_handling: bool = True,
 ) -> Communicator:
     """Join the job and return a connected :class:`Communicator`.
 
@@ -82,6 +83,9 @@ async def connect(
     means env:// (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE as torchrun sets them; a
     TCPStore is created, importing torch only then). ``host`` is the address peers dial
     for this rank (default: the interface that routes to the store's host).
+    ``data_error_handling=False`` allows CMA zero-copy between processes of one host at
+    the risk that a peer dying mid-transfer aborts this process (UCX treats the failed
+    copy as fatal; see :mod:`cgx_ucx.transport.mesh`).
     """
     config = config if config is not None else resolve_comm()
     if store is None:
@@ -90,7 +94,9 @@ async def connect(
         world_size = env_world if world_size is None else world_size
     if rank is None or world_size is None:
         raise ConfigError("rank and world_size are required with an explicit store")
-    mesh = await Mesh.connect(store, int(rank), int(world_size), config, prefix, host)
+    mesh = await Mesh.connect(
+        store, int(rank), int(world_size), config, prefix, host, data_error_handling
+    )
     return Communicator(mesh, config)
 
 

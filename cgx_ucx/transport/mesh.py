@@ -2,20 +2,28 @@
 
 Why two channels (measured here with ucxx 0.52 / UCX 1.21, issue 3):
 
-- **data**: endpoints made from exchanged UCX worker addresses with endpoint error
-  handling *off*. Only these get shared memory / CMA on one host (about 3 GB/s at
-  64 MiB, against 0.6-2 GB/s over TCP loopback for error-handling endpoints), and
-  cuda_ipc / IB where present. UCX never reports a dead peer on them.
+- **data**: endpoints made from exchanged UCX worker addresses. Endpoints made through
+  the listener only ever get TCP on one host (0.6-2 GB/s at 64 MiB); worker-address
+  endpoints get shared memory. Without endpoint error handling UCX adds CMA zero-copy
+  (``process_vm_readv``) for large messages, but then treats a failed transfer as
+  fatal: a peer SIGKILLed while a rendezvous from it was pending aborted the *survivor*
+  (SIGABRT in ``cma_ep.c``) in 2 of 4 runs of the kill test. So by default the data
+  endpoints keep error handling on and UCX_MM_ERROR_HANDLING=y (see :mod:`.ucx`) lets
+  them use shared memory (copy-in/copy-out through SysV segments, with keepalive): with
+  the progress driver spinning while transfers are active, a 64 MiB 2-rank allreduce ran
+  at 3.1 GB/s against 2.5 GB/s with CMA in the same session (2 loaded cores; noisy).
+  ``data_error_handling=False`` restores CMA for those who accept the risk; cuda_ipc and
+  IB are used either way where present.
 - **control**: one error-handling endpoint per peer pair, made through the listener
   (TCP). UCX reports a killed peer on it within milliseconds (12 ms measured after a
   SIGKILL); it carries the membership handshake, ABORT and BYE frames.
 
 Liveness therefore comes from the control channel (a peer lost there fails every
 pending operation of the communicator with :class:`~cgx_ucx.errors.PeerLostError`
-naming it) and from a deadline on every single wait (a silently cut link is never
-reported by UCX: a recv was seen waiting > 90 s): a wait past ``CommConfig.timeout``
-raises :class:`~cgx_ucx.errors.CGXTimeoutError` naming the peer and aborts its
-endpoints.
+naming it), from errors on the data endpoints, and from a deadline on every single wait
+(a silently cut link is never reported by UCX: a recv was seen waiting > 90 s): a wait
+past ``CommConfig.timeout`` raises :class:`~cgx_ucx.errors.CGXTimeoutError` naming the
+peer and aborts its endpoints.
 
 Membership: rank 0 draws a random token and publishes it in the store; every endpoint
 proves it (HELLO frame + token) before it is used: control endpoints when they connect,
@@ -78,6 +86,7 @@ CLOSE_WAIT_S = 10.0
 #: on an endpoint whose peer is gone.
 ABORT_PERIOD_NS = 100_000_000
 
+
 _UCX_ERRORS: tuple[type[BaseException], ...] = ()
 
 
@@ -124,8 +133,16 @@ def _copy_error(exc: CGXError) -> CGXError:
 class Mesh:
     """Connected endpoints to every peer of one communicator. Use :meth:`connect`."""
 
-    def __init__(self, rank: int, world_size: int, config: CommConfig, token: bytes) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        config: CommConfig,
+        token: bytes,
+        data_error_handling: bool = True,
+    ) -> None:
         self.rank, self.world_size, self.config = rank, world_size, config
+        self.data_error_handling = data_error_handling
         self.token = token
         self.job: int = struct.unpack_from("<Q", token, 0)[0]
         self.comm_id: int = struct.unpack_from("<H", token, 8)[0] & ((1 << _COMM_BITS) - 1)
@@ -181,8 +198,14 @@ class Mesh:
         config: CommConfig,
         prefix: str = "cgx",
         host: str | None = None,
+        data_error_handling: bool = True,
     ) -> Mesh:
-        """Rendezvous through ``store``, connect both channels to every peer, prove membership."""
+        """Rendezvous through ``store``, connect both channels to every peer, prove membership.
+
+        ``data_error_handling=False`` lets UCX use CMA zero-copy between processes of one
+        host, but UCX then treats a failed transfer as fatal: a peer killed while a
+        transfer from it is pending aborts this process (see the module docstring).
+        """
         if not 0 < world_size <= MAX_WORLD_SIZE:
             raise RendezvousError(f"world_size must be in 1..{MAX_WORLD_SIZE}, got {world_size}")
         if not 0 <= rank < world_size:
@@ -193,7 +216,7 @@ class Mesh:
         try:
             await rdzv.join()
             token = await rdzv.token()
-            mesh = cls(rank, world_size, config, token)
+            mesh = cls(rank, world_size, config, token, data_error_handling)
             await mesh._start(rdzv, host or _default_host(store))
         except BaseException:
             rdzv.close(wait=False)
@@ -253,7 +276,7 @@ class Mesh:
         for r, p in self.peers.items():
             address = ucxx.get_ucx_address_from_buffer(peers[r].worker_address)
             p.data = await ucxx.create_endpoint_from_worker_address(
-                address, endpoint_error_handling=False
+                address, endpoint_error_handling=self.data_error_handling
             )
         await self._data_hello(rdzv.deadline)
         for p in self.peers.values():

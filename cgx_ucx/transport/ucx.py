@@ -10,6 +10,10 @@ Defaults, each applied only where the user has not set the variable (measured on
 
 - ``UCX_TCP_TX_SEG_SIZE=256K``, ``UCX_TCP_RX_SEG_SIZE=1M``: TCP went from 0.65 to 2.05 GB/s
   at 64 MiB. Only TCP links use them (loopback under ``UCX_TLS=tcp``, and between hosts).
+- ``UCX_MM_ERROR_HANDLING=y``: shared-memory transports (sysv, posix) advertise error
+  handling (peer liveness by keepalive), so the data endpoints, which keep error
+  handling on, still get shared memory on one host instead of TCP loopback (see
+  :mod:`.mesh` for why error handling stays on).
 - ``UCX_MEMTYPE_CACHE``: ucxx sets it at import for old UCX versions; UCX >= 1.19 no
   longer knows it and prints "unused environment variable" at every start. When the
   user did not set it, it is removed again before the context is created.
@@ -41,6 +45,7 @@ log = logging.getLogger("cgx_ucx.transport")
 UCX_DEFAULTS: dict[str, str] = {
     "UCX_TCP_TX_SEG_SIZE": "256K",
     "UCX_TCP_RX_SEG_SIZE": "1M",
+    "UCX_MM_ERROR_HANDLING": "y",
 }
 
 _lock = threading.Lock()
