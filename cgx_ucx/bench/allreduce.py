@@ -15,6 +15,9 @@ Point-to-point (world 2): cgx_ucx's data channel (rank 0 streams a buffer to ran
 a window of outstanding sends, as ``ucx_perftest`` does) next to ``ucx_perftest -t
 tag_bw`` between two processes of this host, run from the libucx wheel.
 
+``--cma`` runs with ``data_error_handling=False`` (CMA zero-copy on one host, at the
+risk described in :mod:`cgx_ucx.transport.mesh`), for comparison.
+
 Prints a table and writes ``benchmarks/results/allreduce.json`` (``--out`` to change).
 The load average before and after is recorded: on a shared machine, compare rows of one
 run with each other, not across runs.
@@ -62,7 +65,11 @@ async def _rank_main(rank: int, world: int, port: int, opts: dict[str, Any]) -> 
         "gloo", store=dist.PrefixStore("gloo", store), rank=rank, world_size=world
     )
     comm = await connect(
-        store, rank, world, config=CommConfig(timeout=300.0, connect_timeout=120.0)
+        store,
+        rank,
+        world,
+        config=CommConfig(timeout=300.0, connect_timeout=120.0),
+        data_error_handling=not opts["cma"],
     )
     rows: list[dict[str, Any]] = []
     try:
@@ -215,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--algorithm", default="auto", choices=["auto", "sra", "ring"])
     ap.add_argument("--p2p-sizes", type=float, nargs="+", default=[1, 16, 64])
     ap.add_argument("--no-p2p", action="store_true")
+    ap.add_argument(
+        "--cma",
+        action="store_true",
+        help="data endpoints without error handling (CMA zero-copy; a dying peer can abort)",
+    )
     ap.add_argument("--timeout", type=float, default=1800.0)
     ap.add_argument("--out", default=None, help="results directory")
     args = ap.parse_args(argv)
@@ -225,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         "algorithm": args.algorithm,
         "p2p": not args.no_p2p,
         "p2p_sizes": args.p2p_sizes,
+        "cma": args.cma,
     }
     load_before = os.getloadavg()
     table, records, p2p_rows = [], [], []

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from typing import Any
 
 __all__ = [
@@ -147,6 +148,10 @@ class Progress:
             self._active_until = now + SPIN_S
         if self._pending and now < self._active_until:
             self._poll = MIN_POLL_S
+            if not completed:
+                # Spinning ranks may outnumber cores (4 ranks on 2 here): give the CPU
+                # to the peer this transfer is waiting for.
+                os.sched_yield()
             self.kick()
             return
         if self._pending:
