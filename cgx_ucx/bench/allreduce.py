@@ -42,6 +42,9 @@ import numpy as np
 from .report import format_table, write_json
 
 MiB = 1 << 20
+#: Sends kept in flight by the point-to-point test (ucx_perftest's tag_bw also keeps a
+#: window of outstanding sends, so per-message latency does not hide the bandwidth).
+P2P_WINDOW = 16
 
 
 def _iters(nbytes: int, requested: int | None) -> int:
@@ -111,7 +114,7 @@ async def _rank_main(rank: int, world: int, port: int, opts: dict[str, Any]) -> 
 
 
 async def _p2p(comm: Any, rank: int, sizes: list[float]) -> list[dict[str, Any]]:
-    """Rank 0 streams to rank 1 over the data channel, a window of 4 sends in flight."""
+    """Rank 0 streams to rank 1 over the data channel, P2P_WINDOW sends in flight."""
     mesh = comm._mesh  # the transport itself, below the collective protocol
     out = []
     ack = np.zeros(1, np.uint8)
@@ -126,13 +129,17 @@ async def _p2p(comm: Any, rank: int, sizes: list[float]) -> list[dict[str, Any]]
             window: list[asyncio.Future] = []
             for _ in range(iters):
                 window.append(asyncio.ensure_future(mesh.send(1, tag, buf, "p2p")))
-                if len(window) >= 4:
+                if len(window) >= P2P_WINDOW:
                     await window.pop(0)
             await asyncio.gather(*window)
             await mesh.recv(1, mesh.tag(0, 1, 14, 2, True), ack, "p2p ack")
         else:
+            window = []
             for _ in range(iters):
-                await mesh.recv(0, tag, buf, "p2p")
+                window.append(asyncio.ensure_future(mesh.recv(0, tag, buf, "p2p")))
+                if len(window) >= P2P_WINDOW:
+                    await window.pop(0)
+            await asyncio.gather(*window)
             await mesh.send(0, mesh.tag(0, 1, 14, 2, True), ack, "p2p ack")
         elapsed = time.perf_counter() - start
         out.append({"size_mib": size_mib, "iters": iters, "GBps": nbytes * iters / elapsed / 1e9})
