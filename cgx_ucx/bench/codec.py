@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             line += [r["ref_encode_GBps"], r["encode_vs_ref"], r["ref_decode_add_GBps"],
                      r["decode_add_vs_ref"]]  # fmt: skip
         table.append(line)
-    print(f"codec throughput, GB/s of float32 input; bucket {args.bucket}; Numba threads "
+    print(f"codec throughput, GB/s of float32 input; bucket {args.bucket}; codec threads "
           f"{threads}; load average {load_before[0]:.2f} -> {load_after[0]:.2f}")  # fmt: skip
     print(format_table(headers, table))
     path = write_json(
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             "units": "GB/s of float32 input (memcpy: bytes read per second, np.copyto)",
             "bucket_size": args.bucket,
             "repeat": args.repeat,
-            "numba_threads": threads,
+            "codec_threads": threads,
             "loadavg_before": load_before,
             "loadavg_after": load_after,
             "rows": rows,
