@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# GPU check of the codec, one command on a machine with an NVIDIA GPU:
+# GPU check of the codec and the collectives, one command on a machine with an NVIDIA GPU:
 #   bash benchmarks/gpu_check.sh [gpu_check.py options]
 # 1. installs what is missing (numpy numba ml_dtypes cupy-cuda12x pytest ...) with pip,
-# 2. runs the GPU tests with CGX_UCX_REQUIRE_GPU=1 (a missing GPU fails, not skips) and the
-#    NVRTC kernel tests,
+# 2. runs the GPU tests with CGX_UCX_REQUIRE_GPU=1 (a missing GPU fails, not skips): the
+#    codec's, the NVRTC kernel tests, and the engine's collectives on CuPy buffers between
+#    two processes on one GPU (cuda_ipc); there is no torch CUDA test yet to add,
 # 3. prints GPU encode/decode/decode_add throughput next to a device-to-device copy and
 #    writes benchmarks/results/gpu_codec.json (+ gpu_tests.txt); copies both to $OUT when set.
 # The package runs from this checkout (PYTHONPATH), nothing is installed for it.
@@ -19,7 +20,7 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,m
 
 need=()
 for spec in numpy:numpy numba:numba ml_dtypes:ml_dtypes "cupy:cupy-cuda12x>=13" \
-            pytest:pytest pytest_timeout:pytest-timeout hypothesis:hypothesis; do
+            ucxx:ucxx-cu12 pytest:pytest pytest_timeout:pytest-timeout hypothesis:hypothesis; do
   mod="${spec%%:*}"; pkg="${spec#*:}"
   $PY -c "import $mod" 2>/dev/null || need+=("$pkg")
 done
@@ -36,7 +37,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 echo "== tests (CGX_UCX_REQUIRE_GPU=1)"
 CGX_UCX_REQUIRE_GPU=1 $PY -m pytest -q -p no:cacheprovider -o addopts="" \
-  tests/test_gpu_codec.py tests/test_kernels_nvrtc.py 2>&1 | tee "$RESULTS/gpu_tests.txt"
+  tests/test_gpu_codec.py tests/test_kernels_nvrtc.py tests/test_collectives_gpu.py 2>&1 \
+  | tee "$RESULTS/gpu_tests.txt"
 tests_rc=${PIPESTATUS[0]}
 
 echo "== throughput"
