@@ -290,6 +290,15 @@ class ProcessGroupCGX(dist.ProcessGroup):
             raise ConfigError(f"cgx {what} takes exactly one tensor per call, got {len(tensors)}")
         return tensors[0]
 
+    def _per_rank(
+        self, tensors: Sequence[Sequence[torch.Tensor]], what: str, side: str
+    ) -> Sequence[torch.Tensor]:
+        """The one list of ``tensors``, checked to hold a tensor for every rank."""
+        per_rank = self._single(tensors, what)
+        if len(per_rank) != self._size:
+            raise ConfigError(f"{what} needs {self._size} {side} tensors, got {len(per_rank)}")
+        return per_rank
+
     @staticmethod
     def _staged(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
         """A contiguous tensor standing for ``t`` and the step that writes it back."""
@@ -403,9 +412,7 @@ class ProcessGroupCGX(dist.ProcessGroup):
     ) -> CGXWork:
         self._check_open()
         t = self._single(input_tensors, "allgather")
-        outs = self._single(output_tensors, "allgather")
-        if len(outs) != self._size:
-            raise ConfigError(f"allgather needs {self._size} output tensors, got {len(outs)}")
+        outs = self._per_rank(output_tensors, "allgather", "output")
         for o in outs:
             if o.shape != t.shape or o.dtype != t.dtype:
                 raise ConfigError(
@@ -473,9 +480,7 @@ class ProcessGroupCGX(dist.ProcessGroup):
         self._check_open()
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         out = self._single(output_tensors, "reduce_scatter")
-        ins = self._single(input_tensors, "reduce_scatter")
-        if len(ins) != self._size:
-            raise ConfigError(f"reduce_scatter needs {self._size} input tensors, got {len(ins)}")
+        ins = self._per_rank(input_tensors, "reduce_scatter", "input")
         flat = torch.cat([x.reshape(-1) for x in ins])
         return self._reduce_scatter_flat(out, flat, opts.reduceOp, opts.timeout, "reduce_scatter")
 
@@ -518,9 +523,7 @@ class ProcessGroupCGX(dist.ProcessGroup):
         opts = opts if opts is not None else dist.GatherOptions()
         t = self._single(input_tensors, "gather")
         is_root = self._rank == opts.rootRank
-        outs = self._single(output_tensors, "gather") if is_root else []
-        if is_root and len(outs) != self._size:
-            raise ConfigError(f"gather needs {self._size} output tensors, got {len(outs)}")
+        outs = self._per_rank(output_tensors, "gather", "output") if is_root else []
         gathered = torch.empty((self._size, t.numel()), dtype=t.dtype, device=t.device)
         cf = self._allgather_flat(t.contiguous(), gathered)
 
@@ -542,9 +545,7 @@ class ProcessGroupCGX(dist.ProcessGroup):
         out = self._single(output_tensors, "scatter")
         is_root = self._rank == opts.rootRank
         if is_root:
-            ins = self._single(input_tensors, "scatter")
-            if len(ins) != self._size:
-                raise ConfigError(f"scatter needs {self._size} input tensors, got {len(ins)}")
+            ins = self._per_rank(input_tensors, "scatter", "input")
             buf = torch.stack([x.reshape(-1) for x in ins])
         else:
             buf = torch.empty((self._size, out.numel()), dtype=out.dtype, device=out.device)
