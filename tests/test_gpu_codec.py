@@ -6,12 +6,12 @@ failure (``benchmarks/gpu_check.sh`` sets it).
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 import pytest
+from _gpu import usable_cupy
 
 from cgx_ucx.compression import (
     ErrorFeedback,
@@ -33,17 +33,7 @@ DTYPES = [np.dtype(np.float32), np.dtype(np.float16), BF16]
 @pytest.fixture(scope="module")
 def cp() -> Any:
     """CuPy with a working device, else skip (or fail when CGX_UCX_REQUIRE_GPU=1)."""
-    try:
-        import cupy
-
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            raise RuntimeError("no CUDA device")
-        float((cupy.arange(4, dtype=cupy.float32) * 2).sum())
-    except Exception as exc:  # ImportError, CUDARuntimeError, driver problems
-        if os.environ.get("CGX_UCX_REQUIRE_GPU") == "1":
-            pytest.fail(f"CGX_UCX_REQUIRE_GPU=1 but no usable GPU: {exc!r}")
-        pytest.skip(f"no usable GPU: {exc!r}")
-    return cupy
+    return usable_cupy()
 
 
 def values(n: int, dtype: np.dtype, seed: int) -> np.ndarray:
