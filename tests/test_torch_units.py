@@ -199,3 +199,19 @@ def test_local_reduce(kind: str, expected: list[int]) -> None:
     out = torch.empty(3, dtype=torch.int64)
     _local_reduce(kind, gathered, out)
     assert out.tolist() == expected
+
+
+@pytest.mark.timeout(30)
+def test_split_state_refuses_bad_checkpoints() -> None:
+    from cgx_ucx.torch._feedback import LayerFeedback, split_state
+
+    fb = LayerFeedback()
+    state = {"steps": "3", "residuals": {"0.1": torch.zeros(2)}}
+    steps, residuals, policy = split_state(state, "CGXState", fb)
+    assert (steps, residuals, policy) == (3, state["residuals"], None)
+    for bad in ({}, {"steps": "x", "residuals": {}}, [1, 2]):
+        with pytest.raises(ConfigError, match="not a GradientSync state dict"):
+            split_state(bad, "GradientSync", fb)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="error_feedback is off"):
+        split_state(state, "CGXState", None)
+    assert split_state({"steps": 0, "residuals": {}}, "CGXState", None) == (0, {}, None)

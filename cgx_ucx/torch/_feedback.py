@@ -25,7 +25,7 @@ from ..errors import ConfigError
 from ..layout import Layout
 from ._convert import as_array
 
-__all__ = ["LayerFeedback"]
+__all__ = ["LayerFeedback", "split_state"]
 
 
 class LayerFeedback:
@@ -93,6 +93,23 @@ class LayerFeedback:
             raise ConfigError(f"not an error-feedback state: {exc}") from exc
         self._ef.load_state_dict(loaded)
         self._buckets = {b for b, _ in loaded}
+
+
+def split_state(
+    state: Mapping[str, Any], owner: str, feedback: LayerFeedback | None
+) -> tuple[int, Any, Any]:
+    """``(steps, residuals, policy state or None)`` of a checkpoint saved by ``owner``
+    (``CGXState`` or ``GradientSync``), read before anything is restored so that a bad
+    state changes nothing; residuals without error feedback are refused, not dropped."""
+    try:
+        steps = int(state["steps"])
+        residuals = state["residuals"]
+        policy_state = state.get("policy")
+    except (KeyError, ValueError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"not a {owner} state dict: {exc!r}") from exc
+    if residuals and feedback is None:
+        raise ConfigError("the state holds error-feedback residuals but error_feedback is off")
+    return steps, residuals, policy_state
 
 
 def _host(a: Any) -> Any:

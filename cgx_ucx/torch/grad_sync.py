@@ -59,7 +59,7 @@ from ..config import CompressionConfig, resolve_comm, resolve_compression
 from ..errors import CGXTimeoutError, ConfigError
 from ..layout import Layout
 from ._convert import as_array
-from ._feedback import LayerFeedback
+from ._feedback import LayerFeedback, split_state
 from ._policy import DEFAULT_LOG_EVERY, PolicyRunner, check_policy_name, named_parameters
 from .backend import get_communicator
 from .hook import PAPER_DEFAULTS, layer_layout, wire_bytes
@@ -418,14 +418,7 @@ class GradientSync:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output (between steps; a policy state must be of
         the same policy and parameters, a state without one keeps the fresh policy)."""
-        try:
-            steps = int(state["steps"])
-            residuals = state["residuals"]
-            policy_state = state.get("policy")
-        except (KeyError, ValueError, TypeError, AttributeError) as exc:
-            raise ConfigError(f"not a GradientSync state dict: {exc!r}") from exc
-        if residuals and self._feedback is None:
-            raise ConfigError("the state holds error-feedback residuals but error_feedback is off")
+        steps, residuals, policy_state = split_state(state, "GradientSync", self._feedback)
         if policy_state is not None:
             self._runner.load_state_dict(policy_state)
             self._relayout()

@@ -43,7 +43,7 @@ from ..config import CompressionConfig, resolve_comm, resolve_compression
 from ..errors import ConfigError
 from ..layout import Layout
 from ._convert import as_array, is_float
-from ._feedback import LayerFeedback
+from ._feedback import LayerFeedback, split_state
 from ._policy import DEFAULT_LOG_EVERY, PolicyRunner, check_policy_name, named_parameters
 from .backend import get_communicator
 from .futures import to_torch_future
@@ -245,14 +245,7 @@ class CGXState:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output (a policy state must be of the same policy
         and model; a state without one keeps the fresh policy)."""
-        try:
-            steps = int(state["steps"])
-            residuals = state["residuals"]
-            policy_state = state.get("policy")
-        except (KeyError, ValueError, TypeError, AttributeError) as exc:
-            raise ConfigError(f"not a CGXState state dict: {exc!r}") from exc
-        if residuals and self._feedback is None:
-            raise ConfigError("the state holds error-feedback residuals but error_feedback is off")
+        steps, residuals, policy_state = split_state(state, "CGXState", self._feedback)
         if policy_state is not None and self._runner is not None:
             self._runner.load_state_dict(policy_state)
         # (static without model=: nothing to restore but measured errors; they come back
