@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import datetime
 from typing import Any
 
 import pytest
 
 pytest.importorskip("torch")
 
-from test_torch_harness import run_ranks
+from test_torch_harness import join_cgx_with_gloo, run_ranks
 
 STEPS = 3
 
@@ -58,7 +57,6 @@ def _same_on_all_ranks(model: Any, gloo: Any) -> bool:
 
 def _ddp_job(rank: int, world: int, store: Any) -> dict[str, Any]:
     import copy
-    import os
 
     import torch
     import torch.distributed as dist
@@ -67,12 +65,7 @@ def _ddp_job(rank: int, world: int, store: Any) -> dict[str, Any]:
 
     from cgx_ucx.torch import CGXState, cgx_hook
 
-    os.environ.pop("CGX_COMPRESSION_QUANTIZATION_BITS", None)
-    dist.init_process_group(
-        "cgx", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
-    )
-    gloo = dist.new_group(backend="gloo")
-    torch.manual_seed(0)
+    gloo = join_cgx_with_gloo(rank, world, store)
     base = _model()
     ref = DDP(copy.deepcopy(base), process_group=gloo)  # PyTorch's default allreduce
     runs: dict[str, tuple[Any, Any, int]] = {}

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import datetime
 from typing import Any
 
 import pytest
 
 pytest.importorskip("torch")
 
-from test_torch_harness import run_ranks
+from test_torch_harness import join_cgx_with_gloo, run_ranks
 
 
 class _Net:
@@ -35,22 +34,15 @@ class _Net:
 def _sync_job(rank: int, world: int, store: Any) -> None:
     import asyncio
     import copy
-    import os
 
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from cgx_ucx.errors import ConfigError
     from cgx_ucx.torch import GradientSync
 
-    os.environ.pop("CGX_COMPRESSION_QUANTIZATION_BITS", None)
-    dist.init_process_group(
-        "cgx", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
-    )
-    gloo = dist.new_group(backend="gloo")
-    torch.manual_seed(0)
+    gloo = join_cgx_with_gloo(rank, world, store)
     base = _Net.make()
     ddp = DDP(copy.deepcopy(base), process_group=gloo, find_unused_parameters=True)
     exact_model = copy.deepcopy(base)

@@ -129,6 +129,29 @@ def run_ranks(
         return [got[r][1] if r in got else None for r in range(world)]
 
 
+def join_cgx_with_gloo(rank: int, world: int, store: Any) -> Any:
+    """In a rank of :func:`run_ranks`: join the default "cgx" process group (60 s
+    timeout) and return a gloo group over the same ranks for reference results.
+
+    The bits knob is dropped from the environment first so that each test's own
+    configuration applies, and torch is seeded with 0 so every rank builds the same model.
+    """
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    import cgx_ucx.torch  # noqa: F401  (registers the backend)
+
+    os.environ.pop("CGX_COMPRESSION_QUANTIZATION_BITS", None)
+    dist.init_process_group(
+        "cgx", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
+    gloo = dist.new_group(backend="gloo")
+    torch.manual_seed(0)
+    return gloo
+
+
 # -- the runner's own tests ----------------------------------------------------------------
 def _echo(rank: int, world: int, store: Any) -> tuple[int, int]:
     store.set(f"k{rank}", str(rank))

@@ -11,7 +11,6 @@ saved mid-run must continue exactly as the run it came from.
 
 from __future__ import annotations
 
-import datetime
 import io
 import logging
 import math
@@ -22,7 +21,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_torch_harness import run_ranks  # noqa: E402
+from test_torch_harness import join_cgx_with_gloo, run_ranks  # noqa: E402
 
 from cgx_ucx.compression.adaptive import Schedule  # noqa: E402
 from cgx_ucx.config import VALID_BITS, CompressionConfig  # noqa: E402
@@ -270,7 +269,6 @@ def _check_policy(policy: Any, params: list[Any], gloo: Any) -> dict[str, Any]:
 
 def _ddp_job(rank: int, world: int, store: Any) -> dict[str, Any]:
     import copy
-    import os
 
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -278,12 +276,7 @@ def _ddp_job(rank: int, world: int, store: Any) -> dict[str, Any]:
 
     from cgx_ucx.torch import cgx_hook, wire_bytes
 
-    os.environ.pop("CGX_COMPRESSION_QUANTIZATION_BITS", None)
-    dist.init_process_group(
-        "cgx", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
-    )
-    gloo = dist.new_group(backend="gloo")
-    torch.manual_seed(0)
+    gloo = join_cgx_with_gloo(rank, world, store)
     base = _net()
     runs: dict[str, tuple[Any, Any, Any]] = {}
 
@@ -379,7 +372,6 @@ def test_ddp_policies() -> None:
 def _sync_job(rank: int, world: int, store: Any) -> dict[str, Any]:
     import asyncio
     import copy
-    import os
 
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -387,13 +379,8 @@ def _sync_job(rank: int, world: int, store: Any) -> dict[str, Any]:
     from cgx_ucx.torch import GradientSync, layer_layout, wire_bytes
     from cgx_ucx.torch._convert import as_array
 
-    os.environ.pop("CGX_COMPRESSION_QUANTIZATION_BITS", None)
-    dist.init_process_group(
-        "cgx", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
-    )
-    gloo = dist.new_group(backend="gloo")
+    gloo = join_cgx_with_gloo(rank, world, store)
     comm = dist.group.WORLD.communicator
-    torch.manual_seed(0)
     base = _net()
     runs: dict[str, tuple[Any, Any, Any]] = {}
     for name in ("static", *ADAPTIVE):
