@@ -28,12 +28,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import functools
 import multiprocessing as mp
 import os
 import re
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -126,24 +128,25 @@ async def _p2p(comm: Any, rank: int, sizes: list[float]) -> list[dict[str, Any]]
         tag = mesh.tag(0, 0, 14, 1, True)
         start = time.perf_counter()
         if rank == 0:
-            window: list[asyncio.Future] = []
-            for _ in range(iters):
-                window.append(asyncio.ensure_future(mesh.send(1, tag, buf, "p2p")))
-                if len(window) >= P2P_WINDOW:
-                    await window.pop(0)
-            await asyncio.gather(*window)
+            await _windowed(functools.partial(mesh.send, 1, tag, buf, "p2p"), iters)
             await mesh.recv(1, mesh.tag(0, 1, 14, 2, True), ack, "p2p ack")
         else:
-            window = []
-            for _ in range(iters):
-                window.append(asyncio.ensure_future(mesh.recv(0, tag, buf, "p2p")))
-                if len(window) >= P2P_WINDOW:
-                    await window.pop(0)
-            await asyncio.gather(*window)
+            await _windowed(functools.partial(mesh.recv, 0, tag, buf, "p2p"), iters)
             await mesh.send(0, mesh.tag(0, 1, 14, 2, True), ack, "p2p ack")
         elapsed = time.perf_counter() - start
         out.append({"size_mib": size_mib, "iters": iters, "GBps": nbytes * iters / elapsed / 1e9})
     return out
+
+
+async def _windowed(start: Callable[[], Awaitable[Any]], iters: int) -> None:
+    """Start ``iters`` transfers with at most P2P_WINDOW in flight (the oldest is awaited
+    before the next starts), then wait for the rest."""
+    window: list[asyncio.Future] = []
+    for _ in range(iters):
+        window.append(asyncio.ensure_future(start()))
+        if len(window) >= P2P_WINDOW:
+            await window.pop(0)
+    await asyncio.gather(*window)
 
 
 def _child(rank: int, world: int, port: int, opts: dict[str, Any], q: Any) -> None:
