@@ -289,6 +289,28 @@ def _estimate_timeout(args: argparse.Namespace, rate_bps: int, world: int, job: 
     return 3 * (args.warmup + args.steps) * (share * grad_bytes / rate + 3.0) + 180
 
 
+def _run_job(
+    link: LinkEmulator,
+    job: str,
+    job_args: list[str],
+    prefix: str,
+    args: argparse.Namespace,
+    rate_bps: int,
+    world: int,
+    bar: Progress,
+) -> list[dict[str, Any]]:
+    """Run the worker's ``job`` on every rank of ``link`` (each with its share of the
+    cores, under the job's deadline) and return the records each rank wrote at ``prefix``
+    (``job_args`` must pass it as ``--out``)."""
+    link.run_ranks(
+        _worker(job, *job_args),
+        timeout=_estimate_timeout(args, rate_bps, world, job),
+        env=_thread_env(world),
+        progress=_forward_progress(bar, args.verbose),
+    )
+    return _read_ranks(prefix, world)
+
+
 def _run_config(
     args: argparse.Namespace, world: int, rate_bps: int, bar: Progress, tmp: Path
 ) -> dict[str, Any]:
@@ -316,13 +338,7 @@ def _run_config(
         ar_args += ["--bucket-size", str(args.bucket_size), "--out", prefix]
         ar_args += ["--min-iters", str(args.min_iters), "--max-iters", str(args.max_iters)]
         ar_args += ["--budget", str(args.budget), "--timeout", str(args.timeout)]
-        link.run_ranks(
-            _worker("allreduce", *ar_args),
-            timeout=_estimate_timeout(args, rate_bps, world, "allreduce"),
-            env=_thread_env(world),
-            progress=_forward_progress(bar, args.verbose),
-        )
-        records = _read_ranks(prefix, world)
+        records = _run_job(link, "allreduce", ar_args, prefix, args, rate_bps, world, bar)
         codec = records[0].get("codec_rates", {})
         rows = _merge_ranks(records)
         gloo = {r["size"]: r["time_s"] for r in rows if r["method"] == "gloo"}
@@ -353,13 +369,7 @@ def _train(
         tr_args += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
         tr_args += ["--batch", str(args.batch), "--hidden", str(args.hidden)]
         tr_args += ["--bucket-size", str(args.bucket_size), "--timeout", str(args.timeout)]
-        link.run_ranks(
-            _worker("train", *tr_args),
-            timeout=_estimate_timeout(args, rate_bps, world, "train"),
-            env=_thread_env(world),
-            progress=_forward_progress(bar, args.verbose),
-        )
-        ranks = _read_ranks(prefix, world)
+        ranks = _run_job(link, "train", tr_args, prefix, args, rate_bps, world, bar)
         steps = min(len(r["step_times"]) for r in ranks)
         times = [max(r["step_times"][k] for r in ranks) for k in range(steps)]
         tx = [r["tx_bytes_per_step"] for r in ranks]
