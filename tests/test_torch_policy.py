@@ -151,10 +151,7 @@ def test_runner_state_round_trips_through_torch_load(name: str) -> None:
     for step in range(4):  # a decision at 2, the next window opens at 3
         a.agree(step)
         a.observe(step, grads, idx)
-    buf = io.BytesIO()
-    torch.save(a.state_dict(), buf)
-    buf.seek(0)
-    b.load_state_dict(torch.load(buf, weights_only=True))
+    b.load_state_dict(_saved(a.state_dict()))
     sa, sb = a.policy.state_dict(), b.policy.state_dict()
     assert sa.keys() == sb.keys()
     for k in sa:
@@ -267,6 +264,24 @@ def _check_policy(policy: Any, params: list[Any], gloo: Any) -> dict[str, Any]:
     return out
 
 
+def _two_batches(seed: int) -> list[tuple[Any, Any]]:
+    """Two batches of 32 (64 features, 10 classes) that a job alternates between."""
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen))
+        for _ in range(2)
+    ]
+
+
+def _saved(state: dict[str, Any]) -> Any:
+    """``state`` after a trip through ``torch.save`` and ``torch.load(weights_only=True)``,
+    as a checkpoint would come back."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
 def _ddp_job(rank: int, world: int, store: Any) -> dict[str, Any]:
     import copy
 
@@ -296,17 +311,13 @@ def _ddp_job(rank: int, world: int, store: Any) -> dict[str, Any]:
     add("static", cgx_hook, policy="static")
     for name in ADAPTIVE:
         add(name, cgx_hook, policy=name)
-    gen = torch.Generator().manual_seed(10 + rank)  # different data on each rank
-    data = [(torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen))]
-    data += [(torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen))]
+    data = _two_batches(10 + rank)  # different data on each rank
     twin = None
     for step in range(STEPS):
         x, y = data[step % 2]
         if step == 4:  # checkpoint kmeans mid-window (decision at 5), resume in a twin
             model, state, _ = runs["kmeans"]
-            buf = io.BytesIO()
-            torch.save(state.state_dict(), buf)
-            buf.seek(0)
+            saved = _saved(state.state_dict())
             twin_model = DDP(copy.deepcopy(model.module))
             twin_state = CGXState(
                 dist.group.WORLD,
@@ -315,7 +326,7 @@ def _ddp_job(rank: int, world: int, store: Any) -> dict[str, Any]:
                 policy_params=_policy_params("kmeans"),
                 model=twin_model,
             )
-            twin_state.load_state_dict(torch.load(buf, weights_only=True))
+            twin_state.load_state_dict(saved)
             twin_model.register_comm_hook(twin_state, cgx_hook)
             twin = (twin_model, twin_state, torch.optim.SGD(twin_model.parameters(), lr=0.1))
         for model, _, opt in [*runs.values(), *([twin] if twin else [])]:
@@ -390,22 +401,18 @@ def _sync_job(rank: int, world: int, store: Any) -> dict[str, Any]:
         )
         runs[name] = (model, sync, torch.optim.SGD(model.parameters(), lr=0.1))
     ref_model = copy.deepcopy(base)
-    gen = torch.Generator().manual_seed(20 + rank)
-    data = [(torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen))]
-    data += [(torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen))]
+    data = _two_batches(20 + rank)
     twin = None
     for step in range(STEPS):
         x, y = data[step % 2]
         if step == 4:  # checkpoint budget mid-window (decision at 5), resume in a twin
             model, sync, _ = runs["budget"]
-            buf = io.BytesIO()
-            torch.save(sync.state_dict(), buf)
-            buf.seek(0)
+            saved = _saved(sync.state_dict())
             twin_model = copy.deepcopy(model)
             twin_sync = GradientSync(
                 twin_model, policy="budget", policy_params=_policy_params("budget"), log_every=2
             )
-            twin_sync.load_state_dict(torch.load(buf, weights_only=True))
+            twin_sync.load_state_dict(saved)
             twin = (twin_model, twin_sync, torch.optim.SGD(twin_model.parameters(), lr=0.1))
         # the static rule by hand: local gradients, the paper's layout, one allreduce
         static_model, static_sync, _ = runs["static"]
