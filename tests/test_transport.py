@@ -214,3 +214,42 @@ def test_idle_communicator_does_not_spin_and_closes_cleanly():
             "UCX_MM_ERROR_HANDLING": "y",
         }
         assert threads == [] and tasks == [] and reset
+
+
+# -- address selection --------------------------------------------------------------------
+
+
+def _non_loopback_address() -> str | None:
+    """An IPv4 address of this machine that is not loopback (the route to a public one)."""
+    from cgx_ucx.transport.rendezvous import local_address_towards
+
+    for target in ("192.0.2.123", "10.255.255.254", "8.8.8.8"):
+        addr = local_address_towards(target)
+        if addr and not addr.startswith("127."):
+            return addr
+    return None
+
+
+@pytest.mark.timeout(30)
+def test_default_host_unwraps_prefix_stores(monkeypatch):
+    """torch hands the backend PrefixStore(PrefixStore(TCPStore)); the address published
+    must be the interface towards the TCPStore's host, not loopback or the hostname's."""
+    import datetime
+
+    torch_dist = pytest.importorskip("torch.distributed")
+    from cgx_ucx.transport.mesh import _default_host, store_host
+
+    addr = _non_loopback_address()
+    if addr is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    tcp = torch_dist.TCPStore(
+        addr, 0, 1, is_master=True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False
+    )
+    wrapped = torch_dist.PrefixStore("outer", torch_dist.PrefixStore("cgx", tcp))
+    assert store_host(wrapped) == addr
+    assert _default_host(wrapped) == addr
+    # A store without a host falls back to MASTER_ADDR's route.
+    monkeypatch.setenv("MASTER_ADDR", addr)
+    assert store_host(DirStore.__new__(DirStore)) is None
+    assert _default_host(torch_dist.HashStore()) == addr

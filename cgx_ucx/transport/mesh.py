@@ -42,6 +42,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
 import socket
 import struct
 import time
@@ -66,7 +67,7 @@ from .frames import FRAME_NBYTES, AbortCode, Frame, Kind
 from .progress import post_recv, post_send
 from .rendezvous import TOKEN_NBYTES, PeerAddress, Rendezvous, local_address_towards, node_id
 
-__all__ = ["MAX_WORLD_SIZE", "Mesh", "TransportStats"]
+__all__ = ["MAX_WORLD_SIZE", "Mesh", "TransportStats", "store_host"]
 
 log = logging.getLogger("cgx_ucx.transport")
 
@@ -709,13 +710,41 @@ def _nbytes(buf: Any) -> int:
     return int(n) if n is not None else memoryview(buf).nbytes
 
 
+#: How many PrefixStore layers :func:`store_host` unwraps (torch nests one per process
+#: group / backend; a loop bound keeps a self-referencing duck-typed store from hanging us).
+MAX_STORE_NESTING = 32
+
+
+def store_host(store: Any) -> str | None:
+    """The host of the TCPStore under ``store``, unwrapping PrefixStores.
+
+    torch hands a backend a ``PrefixStore`` (often several nested) around the job's
+    TCPStore; only the innermost store knows the host. None for stores without a host
+    (FileStore, HashStore).
+    """
+    for _ in range(MAX_STORE_NESTING):
+        host = getattr(store, "host", None)
+        if isinstance(host, str) and host:
+            return host
+        inner = getattr(store, "underlying_store", None)
+        if inner is None or inner is store:
+            return None
+        store = inner
+    return None
+
+
 def _default_host(store: Any) -> str:
-    """The address peers should dial: the interface that routes to the store's host."""
-    target = getattr(store, "host", None)
-    if isinstance(target, str) and target:
-        addr = local_address_towards(target)
-        if addr:
-            return addr
+    """The address peers should dial: the local interface that routes to the store's host
+    (found through PrefixStores), else to MASTER_ADDR, else the hostname's address.
+
+    Falling back to loopback or the hostname when the store is wrapped left ranks in other
+    network namespaces or on other hosts unable to dial (issue 3 follow-up).
+    """
+    for target in (store_host(store), os.environ.get("MASTER_ADDR")):
+        if target:
+            addr = local_address_towards(target)
+            if addr:
+                return addr
     with contextlib.suppress(OSError):
         return local_address_towards(socket.gethostname()) or "127.0.0.1"
     return "127.0.0.1"
