@@ -65,7 +65,14 @@ from . import progress as _progress
 from . import ucx as _ucx
 from .frames import FRAME_NBYTES, AbortCode, Frame, Kind
 from .progress import post_recv, post_send
-from .rendezvous import TOKEN_NBYTES, PeerAddress, Rendezvous, local_address_towards, node_id
+from .rendezvous import (
+    TOKEN_NBYTES,
+    PeerAddress,
+    PeerFailedError,
+    Rendezvous,
+    local_address_towards,
+    node_id,
+)
 
 __all__ = ["MAX_WORLD_SIZE", "Mesh", "TransportStats", "store_host"]
 
@@ -216,14 +223,23 @@ class Mesh:
         mesh: Mesh | None = None
         try:
             await rdzv.join()
+            # A rank that fails publishes why; the watch ends every other rank's waits
+            # then, instead of letting them wait out connect_timeout for a peer that is
+            # gone. Waits end at their own await points: cancelling set-up mid-dial
+            # left UCX endpoints half made, and UCX's reset then crashed (SIGSEGV seen).
+            rdzv.start_watch()
             token = await rdzv.token()
             mesh = cls(rank, world_size, config, token, data_error_handling)
             await mesh._start(rdzv, host or _default_host(store))
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, Exception) and not isinstance(exc, PeerFailedError):
+                await rdzv.publish_failure(f"rank {rank}: {exc}")
+            await rdzv.stop_watch()
             rdzv.close(wait=False)
             if mesh is not None:
                 await mesh.abort()
             raise
+        await rdzv.stop_watch()
         rdzv.close()
         return mesh
 
@@ -263,12 +279,23 @@ class Mesh:
             [self.rank, *(r for r, a in peers.items() if a.node == addr.node)]
         )
         # Control channel: each rank dials the lower ranks and accepts the higher ones.
-        dials = [self._dial(r, peers[r], rdzv.deadline) for r in self.peers if r < self.rank]
-        await asyncio.gather(*dials)
+        dials = [
+            asyncio.ensure_future(self._dial(r, peers[r], rdzv))
+            for r in self.peers
+            if r < self.rank
+        ]
+        try:
+            await asyncio.gather(*dials)
+        except BaseException:
+            # One dial failed: end the others before abort() resets UCX under them.
+            for d in dials:
+                d.cancel()
+            await asyncio.gather(*dials, return_exceptions=True)
+            raise
         for r, fut in self._accepted.items():
             left = rdzv.deadline - time.monotonic()
             try:
-                self.peers[r].ctrl = await asyncio.wait_for(asyncio.shield(fut), max(left, 0.001))
+                self.peers[r].ctrl = await rdzv.race(fut, max(left, 0.001))
             except TimeoutError:
                 raise RendezvousError(
                     f"rank {self.rank}: rank {r} did not connect within the connect timeout"
@@ -279,7 +306,7 @@ class Mesh:
             p.data = await ucxx.create_endpoint_from_worker_address(
                 address, endpoint_error_handling=self.data_error_handling
             )
-        await self._data_hello(rdzv.deadline)
+        await self._data_hello(rdzv, rdzv.deadline)
         for p in self.peers.values():
             p.ctrl.set_close_callback(self._on_ctrl_closed, cb_args=(p.rank,))
             p.ctrl_task = self._loop.create_task(self._control_loop(p))
@@ -294,9 +321,23 @@ class Mesh:
     def _hello(self, kind: Kind) -> Frame:
         return Frame(kind=kind, job=self.job, src=self.rank, payload=TOKEN_NBYTES)
 
-    async def _dial(self, r: int, addr: PeerAddress, deadline: float) -> None:
+    async def _dial(self, r: int, addr: PeerAddress, rdzv: Rendezvous) -> None:
+        deadline = rdzv.deadline
         ucxx = self._ucxx
         left = max(deadline - time.monotonic(), 0.001)
+        try:
+            # Resolve first: UCX's own failure on a bad name left a half-made endpoint
+            # whose collection at UCX reset crashed the process (SIGSEGV, 1 run in 3).
+            if not _numeric_ip(addr.host):
+                # On the store thread: the loop's default executor would leave a thread.
+                await asyncio.wait_for(
+                    rdzv.run_blocking(socket.getaddrinfo, addr.host, addr.port), left
+                )
+        except (TimeoutError, OSError) as exc:
+            raise RendezvousError(
+                f"rank {self.rank}: cannot connect to rank {r} at {addr.host}:{addr.port}: "
+                f"cannot resolve the address: {exc}"
+            ) from exc
         try:
             ep = await asyncio.wait_for(
                 ucxx.create_endpoint(addr.host, addr.port, connect_timeout=left), left
@@ -315,6 +356,10 @@ class Mesh:
             raise RendezvousError(
                 f"rank {self.rank}: rank {r} did not complete the membership handshake: {exc}"
             ) from exc
+        except BaseException:
+            with contextlib.suppress(Exception):
+                ep.abort(period=ABORT_PERIOD_NS)
+            raise
         self.peers[r].ctrl = ep
 
     async def _send_hello(self, ep: Any, kind: Kind) -> None:
@@ -356,11 +401,17 @@ class Mesh:
                 exc or type(exc).__name__,
             )
             ep.abort(period=ABORT_PERIOD_NS)
+        except BaseException:
+            # Cancelled by abort() mid-handshake: an endpoint left open here crashed the
+            # UCX reset that follows (SIGSEGV in gc at ucxx.reset()).
+            with contextlib.suppress(Exception):
+                ep.abort(period=ABORT_PERIOD_NS)
+            raise
         finally:
             if task is not None:
                 self._accept_tasks.discard(task)
 
-    async def _data_hello(self, deadline: float) -> None:
+    async def _data_hello(self, rdzv: Rendezvous, deadline: float) -> None:
         """Prove membership on the data channel: a tagged HELLO + token to every peer."""
         sends, recvs = [], []
         hello = np.frombuffer(self._hello(Kind.HELLO).pack(), np.uint8).copy()
@@ -371,7 +422,7 @@ class Mesh:
             recvs.append(self._recv_data_hello(r, p))
         left = max(deadline - time.monotonic(), 0.001)
         try:
-            await asyncio.wait_for(asyncio.gather(*sends, *recvs), left)
+            await rdzv.race(asyncio.gather(*sends, *recvs), left)
         except TimeoutError:
             raise RendezvousError(
                 f"rank {self.rank}: data-channel membership handshake timed out"
@@ -703,6 +754,16 @@ def _consume(fut: asyncio.Future) -> None:
     # Failures are re-raised to callers as copies; silence "exception never retrieved".
     if not fut.cancelled():
         fut.exception()
+
+
+def _numeric_ip(host: str) -> bool:
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, host)
+        except OSError:
+            continue
+        return True
+    return False
 
 
 def _nbytes(buf: Any) -> int:

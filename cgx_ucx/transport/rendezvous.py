@@ -29,6 +29,7 @@ from ..errors import ConfigError, RendezvousError
 
 __all__ = [
     "PeerAddress",
+    "PeerFailedError",
     "Rendezvous",
     "Store",
     "env_store",
@@ -42,6 +43,21 @@ TOKEN_NBYTES = 16
 #: Longest worker address accepted from the store (UCX worker addresses with all
 #: transports are a few hundred bytes; this bounds what a corrupt key can make us hold).
 MAX_ADDRESS_NBYTES = 1 << 16
+#: Store key (under the generation) where a rank that failed to connect leaves its reason.
+FAILED_KEY = "failed"
+#: Longest failure text kept (it ends up in other ranks' exception messages).
+MAX_FAILURE_NBYTES = 1024
+#: Store polling while waiting for a key: starts at 1 ms (ranks usually publish within
+#: milliseconds of each other), doubles up to 100 ms (a failure elsewhere then surfaces
+#: within ~0.1 s; a few store round trips per second per rank cost nothing).
+POLL_MIN_S = 0.001
+POLL_MAX_S = 0.1
+#: Bound on publishing a failure (a TCPStore set takes milliseconds; the store may be gone).
+FAILURE_PUBLISH_S = 5.0
+
+
+class PeerFailedError(RendezvousError):
+    """Another rank published a connect failure for this rendezvous generation."""
 
 
 class Store(Protocol):
@@ -150,6 +166,8 @@ class Rendezvous:
         self.deadline = deadline  # time.monotonic() value
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cgx-rdzv")
         self.generation = -1
+        self._stop_watch = False
+        self._watch: asyncio.Future | None = None
 
     def close(self, wait: bool = True) -> None:
         """Stop the store thread (``wait=False`` on error paths, where a store call may
@@ -176,6 +194,10 @@ class Rendezvous:
         except Exception as exc:
             raise RendezvousError(f"rank {self.rank}: store call failed: {exc}") from exc
 
+    def run_blocking(self, fn: Any, *args: Any) -> asyncio.Future:
+        """Run a blocking call on the store thread (no thread outlives ``connect``)."""
+        return asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
     def _key(self, name: str) -> str:
         return f"{self.prefix}/{self.generation}/{name}"
 
@@ -186,15 +208,108 @@ class Rendezvous:
         return self.generation
 
     async def _wait_get(self, key: str) -> bytes:
+        """Wait for ``key`` (bounded by the connect deadline), failing early when another
+        rank has published a connect failure: a rank that cannot connect must not leave
+        the others waiting out a long connect timeout (900 s under a torch process group
+        was reported)."""
+        fail_key = self._key(FAILED_KEY)
+        has_check = callable(getattr(self.store, "check", None))
+
         def wait_get() -> bytes:
-            try:
-                self.store.wait([key], datetime.timedelta(seconds=self._remaining()))
-            except TypeError:  # a duck-typed store without the timeout argument
-                self.store.wait([key])
+            if not has_check:
+                try:
+                    self.store.wait([key], datetime.timedelta(seconds=self._remaining()))
+                except TypeError:  # a duck-typed store without the timeout argument
+                    self.store.wait([key])
+                return self.store.get(key)
+            pause = POLL_MIN_S
+            while not self.store.check([key]):
+                self._raise_if_failed(fail_key)
+                left = self._remaining()
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, POLL_MAX_S)
             return self.store.get(key)
 
         value = await self._call(wait_get)
         return bytes(value) if not isinstance(value, bytes) else value
+
+    def _raise_if_failed(self, fail_key: str) -> None:
+        if self.store.check([fail_key]):
+            raw = self.store.get(fail_key)
+            text = bytes(raw)[:MAX_FAILURE_NBYTES].decode("utf-8", errors="replace")
+            raise PeerFailedError(f"rank {self.rank}: connect failed elsewhere: {text}")
+
+    async def watch_failures(self) -> str | None:
+        """Poll the store until some rank publishes a connect failure; return its text.
+
+        Returns None when the store cannot be polled (no ``check``) or fails, and ends
+        at the connect deadline (the waits themselves raise then)."""
+        if self.generation < 0 or not callable(getattr(self.store, "check", None)):
+            return None
+        fail_key = self._key(FAILED_KEY)
+        loop = asyncio.get_running_loop()
+        # No wait_for here: Python 3.11's wait_for can swallow a cancellation that races
+        # the inner future's completion, and this task is cancelled on every connect.
+        while not self._stop_watch and time.monotonic() < self.deadline:
+            try:
+                await loop.run_in_executor(self._pool, self._raise_if_failed, fail_key)
+            except PeerFailedError as exc:
+                return str(exc)
+            except Exception:  # the store failed: the waits report that themselves
+                return None
+            await asyncio.sleep(POLL_MAX_S)
+        return None
+
+    def start_watch(self) -> None:
+        """Start :meth:`watch_failures` in the background (:meth:`race` uses it)."""
+        self._watch = asyncio.ensure_future(self.watch_failures())
+
+    async def stop_watch(self) -> None:
+        """End the watch (bounded: Python 3.11's wait_for may swallow a cancellation)."""
+        self._stop_watch = True
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.wait({self._watch}, timeout=POLL_MAX_S * 2)
+
+    async def race(self, aw: Any, timeout: float) -> Any:
+        """Await ``aw`` for at most ``timeout`` s (TimeoutError), ending early with
+        :class:`PeerFailedError` when another rank publishes a connect failure."""
+        loop = asyncio.get_running_loop()
+        fut = asyncio.ensure_future(aw)
+        end = loop.time() + timeout
+        while True:
+            if fut.done():
+                return fut.result()
+            watch = self._watch
+            if watch is not None and watch.done():
+                reason = None
+                if not watch.cancelled() and watch.exception() is None:
+                    reason = watch.result()
+                if reason:
+                    fut.cancel()
+                    raise PeerFailedError(reason)
+                watch = None  # ended without news: wait on without it
+            left = end - loop.time()
+            if left <= 0:
+                fut.cancel()
+                raise TimeoutError
+            waiters = {fut} if watch is None else {fut, watch}
+            await asyncio.wait(waiters, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+
+    async def publish_failure(self, reason: str) -> None:
+        """Best effort: tell the other ranks this connect failed (bounded by
+        FAILURE_PUBLISH_S; on the store thread, so no thread outlives ``connect``)."""
+        if self.generation < 0:
+            return
+        text = reason.encode("utf-8", errors="replace")[:MAX_FAILURE_NBYTES]
+        key = self._key(FAILED_KEY)
+        try:
+            loop = asyncio.get_running_loop()
+            await asyncio.wait_for(
+                loop.run_in_executor(self._pool, self.store.set, key, text), FAILURE_PUBLISH_S
+            )
+        except Exception as exc:
+            log.debug("rank %d: could not publish the connect failure: %s", self.rank, exc)
 
     async def token(self) -> bytes:
         """The job token: rank 0 draws it; the others read it."""
