@@ -165,6 +165,35 @@ def test_ucx_defaults_never_override_the_user(monkeypatch):
     assert "UCX_TCP_TX_SEG_SIZE" not in applied
 
 
+@pytest.mark.parametrize(
+    "tls,eager",
+    [
+        ("tcp", True),
+        ("self,tcp", True),
+        ("TCP", True),
+        (None, False),
+        ("sm,tcp", False),
+        ("^sm", False),
+        ("tcp,cuda_ipc", False),
+        ("", False),
+    ],
+)
+def test_tcp_only_transports_send_eagerly(monkeypatch, tls, eager):
+    """TCP-only: UCX_RNDV_THRESH=inf (rendezvous handshakes queued behind bulk data
+    halved two-way throughput); never with other transports, never over the user's."""
+    monkeypatch.delenv("UCX_RNDV_THRESH", raising=False)
+    if tls is None:
+        monkeypatch.delenv("UCX_TLS", raising=False)
+    else:
+        monkeypatch.setenv("UCX_TLS", tls)
+    applied = ucx_env.apply_env_defaults()
+    assert ("UCX_RNDV_THRESH" in applied) == eager
+    assert os.environ.get("UCX_RNDV_THRESH") == ("inf" if eager else None)
+    monkeypatch.setenv("UCX_RNDV_THRESH", "64K")
+    assert "UCX_RNDV_THRESH" not in ucx_env.apply_env_defaults()
+    assert os.environ["UCX_RNDV_THRESH"] == "64K"
+
+
 # -- a real UCX context in a child: idle CPU, env applied, clean shutdown ----------------
 
 
