@@ -13,6 +13,7 @@ __all__ = [
     "CodecError",
     "CollectiveMismatchError",
     "ConfigError",
+    "PeerFailedError",
     "PeerLostError",
     "ProtocolError",
     "RendezvousError",
@@ -38,6 +39,10 @@ class TransportError(CGXError):
 
 class RendezvousError(TransportError):
     """Ranks could not find each other or prove membership through the store."""
+
+
+class PeerFailedError(RendezvousError):
+    """Another rank published a connect failure for this rendezvous generation."""
 
 
 class PeerLostError(TransportError):

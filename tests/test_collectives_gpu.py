@@ -4,26 +4,12 @@ cuda_ipc / cuda_copy, no host copy). Skipped without a usable GPU; with
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
+from _gpu import usable_cupy as _gpu_or_skip
 from harness import run_ranks
 
 pytestmark = pytest.mark.gpu
-
-
-def _gpu_or_skip() -> None:
-    try:
-        import cupy
-
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            raise RuntimeError("no CUDA device")
-        float((cupy.arange(4, dtype=cupy.float32) * 2).sum())
-    except Exception as exc:  # ImportError, CUDARuntimeError, driver problems
-        if os.environ.get("CGX_UCX_REQUIRE_GPU") == "1":
-            pytest.fail(f"CGX_UCX_REQUIRE_GPU=1 but no usable GPU: {exc!r}")
-        pytest.skip(f"no usable GPU: {exc!r}")
 
 
 def data(rank: int, n: int) -> np.ndarray:

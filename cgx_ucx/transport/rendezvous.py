@@ -25,7 +25,7 @@ import struct
 import time
 from typing import Any, Protocol
 
-from ..errors import ConfigError, RendezvousError
+from ..errors import ConfigError, PeerFailedError, RendezvousError
 
 __all__ = [
     "PeerAddress",
@@ -54,10 +54,6 @@ POLL_MIN_S = 0.001
 POLL_MAX_S = 0.1
 #: Bound on publishing a failure (a TCPStore set takes milliseconds; the store may be gone).
 FAILURE_PUBLISH_S = 5.0
-
-
-class PeerFailedError(RendezvousError):
-    """Another rank published a connect failure for this rendezvous generation."""
 
 
 class Store(Protocol):
