@@ -7,6 +7,7 @@ import concurrent.futures
 import itertools
 import logging
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -474,6 +475,30 @@ def test_auto_reprobes_on_drift():
     assert a.bits == StaticPolicy(LAYERS).current.bits and a.step == step
     with pytest.raises(ConfigError):
         AutoPolicy(LAYERS, world_size=2)  # neither bandwidth nor probe
+
+
+def test_auto_reprobes_only_when_the_drift_can_repay_the_probe():
+    probes = []
+
+    def link_probe():  # a probe that costs 50 ms of every rank's time
+        probes.append(1)
+        time.sleep(0.05)
+        return 20e9
+
+    p = AutoPolicy(LAYERS, world_size=2, link_probe=link_probe, codec=CODEC, check_every=10)
+    p.assignment(0)
+    assert len(probes) == 1 and p._probe_seconds >= 0.05
+    step = 0
+    for _ in range(40):  # 10 -> 14 ms steps: 40% slower, but 4 ms x 10 steps < 50 ms
+        step += 1
+        p.record_step_time(0.010 if step <= 20 else 0.014)
+        p.assignment(step)
+    assert len(probes) == 1
+    for _ in range(40):  # 10 -> 20 ms: 10 ms x 10 steps repays the probe
+        step += 1
+        p.record_step_time(0.020)
+        p.assignment(step)
+    assert len(probes) == 2
 
 
 def test_auto_takes_the_codec_from_a_vector_probe():
