@@ -93,6 +93,10 @@ class Progress:
     def _tasks(self) -> tuple:
         return ()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         if self._closed:
             return
@@ -192,11 +196,11 @@ _drivers: dict[asyncio.AbstractEventLoop, Progress] = {}
 def install(ucxx: Any, loop: asyncio.AbstractEventLoop) -> Progress:
     """Replace ucxx's blocking-mode driver of ``loop`` by a :class:`Progress`."""
     drv = _drivers.get(loop)
-    if drv is not None and not drv._closed:
+    if drv is not None and not drv.closed:
         return drv
     from ucxx._lib_async import application_context as appctx
 
-    ctx = ucxx.core._get_ctx()
+    ctx = ucxx_context(ucxx)
     old = appctx.ProgressTasks.get(loop)
     if old is not None and not isinstance(old, Progress):
         for t in getattr(old, "_tasks", ()) or ():
@@ -212,13 +216,29 @@ def install(ucxx: Any, loop: asyncio.AbstractEventLoop) -> Progress:
 
 def driver(loop: asyncio.AbstractEventLoop) -> Progress | None:
     drv = _drivers.get(loop)
-    return drv if drv is not None and not drv._closed else None
+    return drv if drv is not None and not drv.closed else None
 
 
 def uninstall_all() -> None:
     for drv in _drivers.values():
         drv.close()
     _drivers.clear()
+
+
+# -- ucxx internals ---------------------------------------------------------------------
+# The driver needs three things ucxx 0.52 does not make public: the application context
+# (to reach its worker), and an endpoint's binding-level object and default tags (to post
+# requests that this driver, not ucxx's, completes). They are read here and nowhere else.
+
+
+def ucxx_context(ucxx: Any) -> Any:
+    """ucxx's process-wide application context."""
+    return ucxx.core._get_ctx()  # noqa: SLF001 (ucxx internal, see above)
+
+
+def _binding(ep: Any, tag_name: str) -> tuple[Any, int]:
+    """The binding-level endpoint of a ucxx Endpoint and its default tag ``tag_name``."""
+    return ep._ep, ep._tags[tag_name]  # noqa: SLF001 (ucxx internal, see above)
 
 
 def _tag(value: int) -> Any:
@@ -238,8 +258,8 @@ def post_send(ep: Any, buf: Any, tag: int | None) -> Any:
     if ep.closed:
         raise _closed_error()
     arr = Array(buf)
-    t = _tag(tag if tag is not None else ep._tags["msg_send"])
-    return drv.submit(ep._ep.tag_send(arr, t), (arr, buf))
+    bep, default = _binding(ep, "msg_send")
+    return drv.submit(bep.tag_send(arr, _tag(default if tag is None else tag)), (arr, buf))
 
 
 def post_recv(ep: Any, buf: Any, tag: int | None) -> Any:
@@ -254,8 +274,9 @@ def post_recv(ep: Any, buf: Any, tag: int | None) -> Any:
     if ep.closed:
         raise _closed_error()
     arr = Array(buf)
-    t = _tag(tag if tag is not None else ep._tags["msg_recv"])
-    return drv.submit(ep._ep.tag_recv(arr, t, TagMaskFull), (arr, buf))
+    bep, default = _binding(ep, "msg_recv")
+    t = _tag(default if tag is None else tag)
+    return drv.submit(bep.tag_recv(arr, t, TagMaskFull), (arr, buf))
 
 
 def _closed_error() -> Exception:
