@@ -4,6 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
+echo "test: ruff lint and format check (~5 s)"
 ruff check .
 ruff format --check .
+echo "test: the pytest suite (several minutes on 2 cores)"
 python -m pytest -q -p no:cacheprovider "$@"
