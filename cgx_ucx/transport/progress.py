@@ -236,9 +236,11 @@ def ucxx_context(ucxx: Any) -> Any:
     return ucxx.core._get_ctx()  # noqa: SLF001 (ucxx internal, see above)
 
 
-def _binding(ep: Any, tag_name: str) -> tuple[Any, int]:
-    """The binding-level endpoint of a ucxx Endpoint and its default tag ``tag_name``."""
-    return ep._ep, ep._tags[tag_name]  # noqa: SLF001 (ucxx internal, see above)
+def _binding(ep: Any, tag: int | None, default: str) -> tuple[Any, int]:
+    """The binding-level endpoint of a ucxx Endpoint and ``tag`` (None: its ``default``)."""
+    if tag is None:
+        tag = ep._tags[default]  # noqa: SLF001 (ucxx internal, see above)
+    return ep._ep, tag  # noqa: SLF001 (ucxx internal, see above)
 
 
 def _tag(value: int) -> Any:
@@ -258,8 +260,8 @@ def post_send(ep: Any, buf: Any, tag: int | None) -> Any:
     if ep.closed:
         raise _closed_error()
     arr = Array(buf)
-    bep, default = _binding(ep, "msg_send")
-    return drv.submit(bep.tag_send(arr, _tag(default if tag is None else tag)), (arr, buf))
+    bep, t = _binding(ep, tag, "msg_send")
+    return drv.submit(bep.tag_send(arr, _tag(t)), (arr, buf))
 
 
 def post_recv(ep: Any, buf: Any, tag: int | None) -> Any:
@@ -274,9 +276,8 @@ def post_recv(ep: Any, buf: Any, tag: int | None) -> Any:
     if ep.closed:
         raise _closed_error()
     arr = Array(buf)
-    bep, default = _binding(ep, "msg_recv")
-    t = _tag(default if tag is None else tag)
-    return drv.submit(bep.tag_recv(arr, t, TagMaskFull), (arr, buf))
+    bep, t = _binding(ep, tag, "msg_recv")
+    return drv.submit(bep.tag_recv(arr, _tag(t), TagMaskFull), (arr, buf))
 
 
 def _closed_error() -> Exception:
