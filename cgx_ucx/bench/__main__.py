@@ -13,6 +13,7 @@ BENCHMARKS = {
     "codec": "quantization codec throughput against memcpy (Numba, NumPy reference)",
     "allreduce": "cgx_ucx allreduce against torch.distributed gloo, same processes",
     "link": "emulated commodity links (network namespaces + tc): allreduce and training",
+    "latency": "small-call latency hop by hop (torch backend, engine thread, asyncio core)",
     "train": "training step time and accuracy: compression policies against uncompressed",
 }
 

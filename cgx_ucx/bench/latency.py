@@ -1,0 +1,320 @@
+"""Latency of small collectives, hop by hop: torch backend, thread bridge, asyncio core.
+
+    python -m cgx_ucx.bench latency [--world 2 4] [--sizes-kib 4 64 256 1024 4096]
+                                    [--iters 200] [--bits 32 4] [--cold]
+
+Every rank of a world joins one ``cgx`` process group (``init_process_group("cgx")``) and
+one gloo group over the same TCPStore, so every row of a size is measured side by side
+in the same processes. Per size and method, each call is timed on its own (warm-up
+first) and the table gives the median and the 99th percentile over the calls, the
+slowest rank's median being the figure of the call:
+
+- ``torch``: ``dist.all_reduce`` (gloo, or the cgx group at 32 / 4 bits): what users see;
+- ``sync``: the engine's synchronous face (``SyncCommunicator.allreduce(...).result()``):
+  the thread hop from the caller to the engine loop and back;
+- ``core``: ``await comm.allreduce`` on the engine loop itself: the asyncio core.
+
+``bridge us`` = torch - core: the cost of the synchronous call, the engine thread and the
+torch future. Barriers are timed the same way. ``--cold`` also times the first
+compressed call of a process against a warm one, with an empty Numba cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .report import format_table, write_json
+
+KiB = 1 << 10
+
+
+def _percentiles(samples: list[float]) -> tuple[float, float]:
+    a = np.asarray(samples) * 1e6
+    return float(np.median(a)), float(np.percentile(a, 99))
+
+
+def _time_calls(fn: Callable[[], Any], iters: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+async def _time_core(op: Callable[[], Any], iters: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        await op()
+    out = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        await op()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _rank_main(rank: int, world: int, port: int, opts: dict[str, Any], q: Any) -> None:
+    try:
+        q.put((rank, _measure(rank, world, port, opts)))
+    except BaseException as exc:  # report, never hang the parent
+        import traceback
+
+        q.put((rank, {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}))
+
+
+def _measure(rank: int, world: int, port: int, opts: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    import cgx_ucx  # noqa: F401  (registers the backend)
+    from cgx_ucx.config import CompressionConfig
+
+    store = dist.TCPStore(
+        "127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=120)
+    )
+    first: dict[str, float] = {}
+    dist.init_process_group(
+        "cgx",
+        store=dist.PrefixStore("cgx", store),
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    gloo = dist.new_group(backend="gloo")
+    pg = dist.group.WORLD  # the cgx ProcessGroup (init_process_group's default group)
+    sync = pg.communicator
+    comm, engine = sync.comm, sync.engine
+    iters, warmup = opts["iters"], 5
+    # cgx calls average (same cost as a sum) so that hundreds of in-place calls stay
+    # finite; gloo has no AVG and sums (overflow does not change its time).
+    AVG = dist.ReduceOp.AVG
+
+    if opts["cold"]:
+        # The first compressed call of the process (codec kernels not yet compiled).
+        t = torch.ones(4096 // 4)
+        pg.compression = CompressionConfig(bits=4, minimal_size=16)
+        t0 = time.perf_counter()
+        dist.all_reduce(t, op=AVG)
+        first["first_s"] = time.perf_counter() - t0
+        warm = _time_calls(lambda: dist.all_reduce(t, op=AVG), 20, 2)
+        first["warm_s"] = float(np.median(warm))
+
+    rows: list[dict[str, Any]] = []
+
+    def row(kib: float, path: str, method: str, samples: list[float]) -> None:
+        med, p99 = _percentiles(samples)
+        rows.append({"kib": kib, "path": path, "method": method, "median_us": med, "p99_us": p99})
+
+    for kib in opts["sizes_kib"]:
+        n = max(int(kib * KiB) // 4, 1)
+        x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
+        arr = x.numpy()
+        dist.barrier(group=gloo)
+        row(
+            kib,
+            "torch",
+            "gloo",
+            _time_calls(lambda x=x: dist.all_reduce(x, group=gloo), iters, warmup),
+        )
+        for bits in opts["bits"]:
+            name = f"cgx{bits}"
+            pg.compression = CompressionConfig(bits=bits, minimal_size=16)
+            dist.barrier(group=gloo)
+            row(
+                kib,
+                "torch",
+                name,
+                _time_calls(lambda x=x: dist.all_reduce(x, op=AVG), iters, warmup),
+            )
+            dist.barrier(group=gloo)
+
+            def sync_call(b: int = bits, arr: np.ndarray = arr) -> None:
+                sync.allreduce(arr, "avg", bits=b).result()
+
+            row(kib, "sync", name, _time_calls(sync_call, iters, warmup))
+            dist.barrier(group=gloo)
+
+            async def core_op(b: int = bits, arr: np.ndarray = arr) -> None:
+                await comm.allreduce(arr, "avg", bits=b)
+
+            samples = engine.run(_time_core(core_op, iters, warmup))
+            row(kib, "core", name, samples)
+    dist.barrier(group=gloo)
+    row(0, "torch", "gloo barrier", _time_calls(lambda: dist.barrier(group=gloo), iters, warmup))
+    row(0, "torch", "cgx barrier", _time_calls(dist.barrier, iters, warmup))
+    row(0, "sync", "cgx barrier", _time_calls(lambda: sync.barrier().result(), iters, warmup))
+    row(0, "core", "cgx barrier", engine.run(_time_core(comm.barrier, iters, warmup)))
+    stats = comm.stats.as_dict()
+    dist.barrier(group=gloo)
+    dist.destroy_process_group()
+    return {"rows": rows, "first": first, "stats": stats}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_world(world: int, opts: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+    import torch.distributed as dist
+
+    port = _free_port()
+    master = dist.TCPStore("127.0.0.1", port, world + 1, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    env = dict(os.environ)
+    if opts["cold"]:
+        os.environ["NUMBA_CACHE_DIR"] = tempfile.mkdtemp(prefix="cgx_numba_cold_")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, opts, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    os.environ.clear()
+    os.environ.update(env)
+    results: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"world {world}: ranks {sorted(set(range(world)) - set(results))} hung"
+                )
+            try:
+                r, res = q.get(timeout=min(left, 1.0))
+            except Exception:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                    if not set(dead) <= set(results):
+                        raise RuntimeError(f"world {world}: ranks {dead} died") from None
+                continue
+            if "error" in res:
+                raise RuntimeError(f"world {world} rank {r}: {res['error']}")
+            results[r] = res
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+        del master
+    return [results[r] for r in range(world)]
+
+
+def summarize(world: int, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per row: the slowest rank's median and p99 (a collective ends with its last rank)."""
+    out = []
+    for i, base in enumerate(per_rank[0]["rows"]):
+        rows = [res["rows"][i] for res in per_rank]
+        out.append(
+            {
+                "world": world,
+                "kib": base["kib"],
+                "path": base["path"],
+                "method": base["method"],
+                "median_us": max(r["median_us"] for r in rows),
+                "p99_us": max(r["p99_us"] for r in rows),
+            }
+        )
+    return out
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    gloo = {(r["world"], r["kib"]): r["median_us"] for r in rows if r["method"] == "gloo"}
+    core = {
+        (r["world"], r["kib"], r["method"]): r["median_us"] for r in rows if r["path"] == "core"
+    }
+    gloo_barrier = {r["world"]: r["median_us"] for r in rows if r["method"] == "gloo barrier"}
+    body = []
+    for r in rows:
+        key = (r["world"], r["kib"])
+        ref = gloo_barrier.get(r["world"]) if "barrier" in r["method"] else gloo.get(key)
+        ratio = r["median_us"] / ref if ref else float("nan")
+        c = core.get((r["world"], r["kib"], r["method"]))
+        bridge = r["median_us"] - c if (c is not None and r["path"] != "core") else float("nan")
+        body.append(
+            [
+                r["world"],
+                "barrier" if "barrier" in r["method"] else f"{r['kib']:g} KiB",
+                r["path"],
+                r["method"],
+                round(r["median_us"], 1),
+                round(r["p99_us"], 1),
+                round(ratio, 2),
+                round(bridge, 1),
+            ]
+        )
+    headers = ["world", "size", "path", "method", "median us", "p99 us", "x gloo", "hop us"]
+    return format_table(headers, body)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m cgx_ucx.bench latency",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument("--world", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--sizes-kib", type=float, nargs="+", default=[4, 64, 256, 1024, 4096])
+    ap.add_argument("--bits", type=int, nargs="+", default=[32, 4])
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--cold", action="store_true", help="time the first compressed call")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per world size")
+    ap.add_argument("--out-dir", default=None, help="directory for latency.json")
+    args = ap.parse_args(argv)
+    opts = {"sizes_kib": args.sizes_kib, "bits": args.bits, "iters": args.iters, "cold": args.cold}
+    load_before = os.getloadavg()
+    all_rows: list[dict[str, Any]] = []
+    first: dict[str, Any] = {}
+    for world in args.world:
+        print(
+            f"world {world}: {len(args.sizes_kib)} sizes x {1 + 3 * len(args.bits)} rows ...",
+            file=sys.stderr,
+            flush=True,
+        )
+        per_rank = run_world(world, opts, args.timeout)
+        all_rows += summarize(world, per_rank)
+        if args.cold:
+            first[str(world)] = [res["first"] for res in per_rank]
+    load_after = os.getloadavg()
+    print(table(all_rows))
+    if first:
+        for world, fs in first.items():
+            worst = max(f["first_s"] for f in fs)
+            warm = max(f["warm_s"] for f in fs)
+            print(
+                f"world {world}: first compressed call {worst * 1e3:.1f} ms, "
+                f"warm {warm * 1e3:.3f} ms ({worst / warm:.1f}x)"
+            )
+    print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
+    path = write_json(
+        "latency",
+        {
+            "rows": all_rows,
+            "first_call": first,
+            "load_before": load_before,
+            "load_after": load_after,
+            "iters": args.iters,
+        },
+        args.out_dir,
+    )
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
