@@ -17,7 +17,10 @@ CGX_UCX_TIMEOUT                       300         seconds any single wait may ta
 Nothing here reads the environment at import time: :func:`resolve_compression` and
 :func:`resolve_comm` read it when they are called (the backend calls them when each
 collective starts, so a script may change the variables between calls, as with
-torch_cgx).
+torch_cgx). :func:`validate_environment` reads them once up front (the backend calls it
+when the group is made) so that a bad value fails at ``init_process_group``, and a bad
+value always names its variable. :func:`describe_configuration` is the one line a
+communicator logs at INFO with what it resolved.
 """
 
 from __future__ import annotations
@@ -39,11 +42,14 @@ __all__ = [
     "NO_COMPRESSION_BITS",
     "CommConfig",
     "CompressionConfig",
+    "describe_configuration",
+    "log_configuration",
     "resolve_comm",
     "resolve_compression",
+    "validate_environment",
 ]
 
-log = logging.getLogger("cgx_ucx")
+log = logging.getLogger("cgx_ucx.config")
 
 ENV_BITS = "CGX_COMPRESSION_QUANTIZATION_BITS"
 ENV_BUCKET_SIZE = "CGX_COMPRESSION_BUCKET_SIZE"
@@ -96,6 +102,19 @@ class CompressionConfig:
             return NO_COMPRESSION_BITS
         return self.bits
 
+    def describe(self) -> str:
+        """One line for logs: ``bits=4 bucket_size=1024 minimal_size=16 rounding=nearest``."""
+        if not self.enabled:
+            return "bits=32 (no compression)"
+        rounding = f"stochastic(seed={self.seed})" if self.stochastic else "nearest"
+        return (
+            f"bits={self.bits} bucket_size={self.bucket_size} "
+            f"minimal_size={self.minimal_size} rounding={rounding}"
+        )
+
+    def __str__(self) -> str:
+        return self.describe()
+
 
 @dataclass(frozen=True)
 class CommConfig:
@@ -121,25 +140,46 @@ class CommConfig:
         if self.progress_mode not in ("blocking", "polling", "thread", "thread-polling"):
             raise ConfigError(f"unknown progress_mode {self.progress_mode!r}")
 
+    def describe(self) -> str:
+        """One line for logs: timeouts, progress mode, and the UCX defaults it adds."""
+        text = (
+            f"timeout={self.timeout:g}s connect_timeout={self.connect_timeout:g}s "
+            f"progress_mode={self.progress_mode}"
+        )
+        if self.ucx_env:
+            text += " ucx_env=" + ",".join(f"{k}={v}" for k, v in sorted(self.ucx_env.items()))
+        return text
 
-def _env_int(name: str, env: Mapping[str, str]) -> int | None:
+    def __str__(self) -> str:
+        return self.describe()
+
+
+def _env_int(name: str, env: Mapping[str, str], what: str, ok: Any) -> int | None:
+    """The integer in variable ``name``, or None when unset; a bad value is a ConfigError
+    naming the variable and what it accepts (``what``), checked by ``ok``."""
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return None
     try:
-        return int(raw)
-    except ValueError as exc:
-        raise ConfigError(f"{name}={raw!r} is not an integer") from exc
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or not ok(value):
+        raise ConfigError(f"{name}={raw!r} is not {what}")
+    return value
 
 
-def _env_float(name: str, env: Mapping[str, str]) -> float | None:
+def _env_float(name: str, env: Mapping[str, str], what: str, ok: Any) -> float | None:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return None
     try:
-        return float(raw)
-    except ValueError as exc:
-        raise ConfigError(f"{name}={raw!r} is not a number") from exc
+        value = float(raw)
+    except ValueError:
+        value = None
+    if value is None or not ok(value):
+        raise ConfigError(f"{name}={raw!r} is not {what}")
+    return value
 
 
 def _merge(cls: type, defaults: Any, env_values: dict[str, Any], kwargs: dict[str, Any]) -> Any:
@@ -162,11 +202,11 @@ def resolve_compression(
     Keywords whose value is ``None`` count as not given.
     """
     env = os.environ if env is None else env
-    stochastic = _env_int(ENV_STOCHASTIC, env)
-    minimal = _env_int(ENV_MINIMAL_SIZE, env)
+    stochastic = _env_int(ENV_STOCHASTIC, env, "an integer (0: nearest, 1: stochastic)", _any)
+    minimal = _env_int(ENV_MINIMAL_SIZE, env, "an integer >= 0", lambda v: v >= 0)
     env_values = {
-        "bits": _env_int(ENV_BITS, env),
-        "bucket_size": _env_int(ENV_BUCKET_SIZE, env),
+        "bits": _env_int(ENV_BITS, env, "an integer in 1..8 or 32", VALID_BITS.__contains__),
+        "bucket_size": _env_int(ENV_BUCKET_SIZE, env, "an integer >= 1", lambda v: v >= 1),
         # torch_cgx forces the minimal size to at least 16 values.
         "minimal_size": None if minimal is None else max(minimal, MIN_COMPRESSED_SIZE),
         "stochastic": None if stochastic is None else bool(stochastic),
@@ -181,6 +221,56 @@ def resolve_comm(
 ) -> CommConfig:
     """Resolve a :class:`CommConfig`: keyword > environment > ``base`` > default."""
     env = os.environ if env is None else env
-    env_values = {"timeout": _env_float(ENV_TIMEOUT, env)}
-    cfg = _merge(CommConfig, base or CommConfig(), env_values, kwargs)
-    return cfg
+    timeout = _env_float(ENV_TIMEOUT, env, "a number of seconds > 0", lambda v: v > 0)
+    return _merge(CommConfig, base or CommConfig(), {"timeout": timeout}, kwargs)
+
+
+def _any(value: int) -> bool:
+    return True
+
+
+def validate_environment(env: Mapping[str, str] | None = None) -> CompressionConfig:
+    """Check every CGX_* variable now and return the compression they select.
+
+    The backend calls this when a group is made, so that a bad value fails at
+    ``init_process_group`` (naming the variable) rather than at the first all_reduce;
+    the variables are still read again when each collective starts.
+    """
+    env = os.environ if env is None else env
+    resolve_comm(env=env)
+    return resolve_compression(env=env)
+
+
+def describe_configuration(
+    comm: CommConfig,
+    compression: CompressionConfig | None = None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    policy: str | None = None,
+) -> str:
+    """The resolved configuration of one communicator, on one line (for the INFO log and
+    bug reports). ``compression=None`` says it is read from CGX_* at each call."""
+    who = f"rank {rank}/{world_size}: " if rank is not None else ""
+    if compression is None:
+        try:
+            now = str(validate_environment())
+        except ConfigError as exc:  # a log line must not raise; the call itself will
+            now = f"invalid: {exc}"
+        comp = f"compression from CGX_* at each call (now: {now})"
+    else:
+        comp = f"compression {compression}"
+    text = f"{who}{comp}; {comm}"
+    if policy is not None:
+        text += f"; policy={policy}"
+    return text
+
+
+def log_configuration(
+    comm: CommConfig, compression: CompressionConfig | None = None, **kw: Any
+) -> str:
+    """Log :func:`describe_configuration` once at INFO (on the ``cgx_ucx.config`` logger);
+    returns the line."""
+    line = describe_configuration(comm, compression, **kw)
+    log.info("cgx_ucx configuration: %s", line)
+    return line

@@ -1,6 +1,9 @@
+import logging
+
 import pytest
 
 from cgx_ucx import (
+    CommConfig,
     CompressionConfig,
     ConfigError,
     LayerSpec,
@@ -8,7 +11,16 @@ from cgx_ucx import (
     resolve_comm,
     resolve_compression,
 )
-from cgx_ucx.config import ENV_BITS, ENV_BUCKET_SIZE, ENV_MINIMAL_SIZE
+from cgx_ucx.config import (
+    ENV_BITS,
+    ENV_BUCKET_SIZE,
+    ENV_MINIMAL_SIZE,
+    ENV_STOCHASTIC,
+    ENV_TIMEOUT,
+    describe_configuration,
+    log_configuration,
+    validate_environment,
+)
 
 
 def test_defaults_match_torch_cgx():
@@ -57,3 +69,68 @@ def test_layout_digest_and_contiguity():
         Layout((LayerSpec(0, 10), LayerSpec(11, 5)))
     with pytest.raises(ConfigError):
         a.check(99)
+
+
+@pytest.mark.parametrize(
+    ("name", "raw", "accepts"),
+    [
+        (ENV_BITS, "5x", "an integer in 1..8 or 32"),
+        (ENV_BITS, "9", "an integer in 1..8 or 32"),
+        (ENV_BUCKET_SIZE, "0", "an integer >= 1"),
+        (ENV_MINIMAL_SIZE, "-1", "an integer >= 0"),
+        (ENV_STOCHASTIC, "yes", "an integer"),
+    ],
+)
+def test_bad_environment_value_names_the_variable(name, raw, accepts):
+    with pytest.raises(ConfigError) as info:
+        resolve_compression(env={name: raw})
+    assert str(info.value).startswith(f"{name}={raw!r} is not {accepts}"), info.value
+    with pytest.raises(ConfigError, match=name):
+        validate_environment(env={name: raw})
+
+
+def test_bad_timeout_variable_names_it():
+    for raw in ("soon", "0", "-3"):
+        with pytest.raises(ConfigError, match=f"{ENV_TIMEOUT}='{raw}' is not a number"):
+            resolve_comm(env={ENV_TIMEOUT: raw})
+    with pytest.raises(ConfigError, match=ENV_TIMEOUT):
+        validate_environment(env={ENV_TIMEOUT: "x"})
+
+
+def test_validate_environment_returns_the_compression_in_effect():
+    cfg = validate_environment(env={ENV_BITS: "4", ENV_BUCKET_SIZE: "1024"})
+    assert (cfg.bits, cfg.bucket_size) == (4, 1024)
+    assert validate_environment(env={}) == CompressionConfig()
+
+
+def test_describe_and_log_the_resolved_configuration(caplog):
+    comp = CompressionConfig(bits=4, bucket_size=1024)
+    assert (
+        str(comp) == comp.describe() == ("bits=4 bucket_size=1024 minimal_size=16 rounding=nearest")
+    )
+    assert "stochastic(seed=7)" in CompressionConfig(bits=2, stochastic=True, seed=7).describe()
+    assert CompressionConfig().describe() == "bits=32 (no compression)"
+    comm = CommConfig(timeout=30, connect_timeout=10, ucx_env={"UCX_TLS": "tcp"})
+    assert str(comm) == "timeout=30s connect_timeout=10s progress_mode=blocking ucx_env=UCX_TLS=tcp"
+    with caplog.at_level(logging.INFO, logger="cgx_ucx.config"):
+        line = log_configuration(comm, comp, rank=1, world_size=2, policy="static")
+    assert line == f"rank 1/2: compression {comp}; {comm}; policy=static"
+    (record,) = [r for r in caplog.records if r.name == "cgx_ucx.config"]
+    assert record.levelno == logging.INFO and line in record.getMessage()
+    # compression read from the environment at each call: the line says so, and never raises
+    assert "from CGX_* at each call" in describe_configuration(comm)
+
+
+@pytest.mark.timeout(60)
+def test_init_process_group_rejects_a_bad_variable(monkeypatch, tmp_path):
+    """A bad CGX_* value fails at init_process_group, naming it, not at the first call."""
+    pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    import cgx_ucx  # noqa: F401  (registers the backend)
+
+    monkeypatch.setenv(ENV_BITS, "5x")
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    with pytest.raises(ConfigError, match=f"{ENV_BITS}='5x' is not an integer in 1..8 or 32"):
+        dist.init_process_group("cgx", store=store, rank=0, world_size=1)
+    assert not dist.is_initialized()
