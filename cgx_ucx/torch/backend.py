@@ -46,7 +46,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import CommConfig, CompressionConfig, resolve_comm, resolve_compression
+from ..config import (
+    CommConfig,
+    CompressionConfig,
+    resolve_comm,
+    resolve_compression,
+    validate_environment,
+)
 from ..errors import CGXError, ConfigError
 from ..layout import Layout
 from ._convert import as_array, can_sum, is_float
@@ -203,6 +209,8 @@ class ProcessGroupCGX(dist.ProcessGroup):
         self._size = size
         self._comm_config = _comm_config(timeout, options)
         self._compression = options.compression if options is not None else None
+        if self._compression is None:  # CGX_* in use: a bad value fails here, not at a call
+            validate_environment()
         self._group_name = ""
         self._group_desc = ""
         self._closed = False
