@@ -9,6 +9,7 @@ import importlib.util as _importlib_util
 
 from .collectives import CommStats, Communicator, connect
 from .config import CommConfig, CompressionConfig, resolve_comm, resolve_compression
+from .diagnostics import describe
 from .engine import Engine, SyncCommunicator, connect_sync
 from .errors import (
     CGXError,
@@ -47,6 +48,7 @@ __all__ = [
     "TransportError",
     "connect",
     "connect_sync",
+    "describe",
     "resolve_comm",
     "resolve_compression",
 ]
