@@ -1,4 +1,4 @@
-"""Spawned multi-process test harness: run one function in N real processes.
+"""The one spawned multi-process test harness: run one function in N real processes.
 
     results = run_ranks(fn, world_size=3, timeout=30, args=(...))
 
@@ -6,7 +6,9 @@
 level (children are started with the "spawn" method and import it by name). ``ctx`` is a
 :class:`RankContext`: rank, world_size, a shared store (``ctx.store``, a small file-based
 torch.distributed-Store look-alike: set/get/wait/add/check, no torch import needed),
-a shared scratch directory and the common deadline.
+a shared scratch directory and the common deadline. Torch jobs go through
+``torch_helpers.run_torch_ranks``, a thin layer over this runner that hands each rank a
+torch FileStore instead.
 
 All ranks share ONE deadline: when it passes, every child still running is killed and
 :class:`RanksTimedOut` lists which ranks hung (with the tracebacks of the others). A
@@ -14,15 +16,24 @@ child that raises sends its formatted traceback back; by default the harness re-
 it in the parent as :class:`RankFailed` (all child tracebacks in the message). With
 ``check=False`` it returns one :class:`RankResult` per rank instead, for tests that
 expect failures (``.ok``, ``.value``, ``.error_type``, ``.error``, ``.peer``,
-``.exitcode``; a killed rank has ``exitcode == -9`` and no result).
+``.exitcode``; a killed rank has ``exitcode == -9`` and no result). A value that cannot
+be pickled fails its rank in the child, with a traceback, rather than in the parent.
+
+``expect_dead`` names ranks that end on purpose with ``os._exit(DEAD_EXIT)``: they count
+as successful with the value None, and as failed if they end any other way.
 
 ``env`` sets variables in every child (a dict) or per rank (a callable ``rank -> dict``)
-before anything is imported there (UCX reads its variables once, at start-up).
+before anything is imported there, ``fn``'s module included (UCX reads its variables once,
+at start-up): ``fn`` and its arguments travel pickled and are loaded after ``env`` is set.
+
+``ctx.after_report(callback)`` registers clean-up that runs once the rank's result has
+been sent (closing a process group, say), so a clean-up that hangs cannot lose the result.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import inspect
 import multiprocessing as mp
@@ -33,12 +44,13 @@ import signal
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "DEAD_EXIT",
     "DirStore",
     "RankContext",
     "RankFailed",
@@ -46,6 +58,9 @@ __all__ = [
     "RanksTimedOut",
     "run_ranks",
 ]
+
+#: Exit code of a rank that a test kills on purpose (see ``expect_dead``).
+DEAD_EXIT = 17
 
 
 class DirStore:
@@ -105,10 +120,15 @@ class RankContext:
     store: DirStore
     shared_dir: str
     deadline: float  # time.time() value shared by all ranks
+    cleanups: list[Callable[[], Any]] = field(default_factory=list, repr=False)
 
     @property
     def remaining(self) -> float:
         return max(self.deadline - time.time(), 0.0)
+
+    def after_report(self, callback: Callable[[], Any]) -> None:
+        """Run ``callback`` after this rank's result is sent (errors there are ignored)."""
+        self.cleanups.append(callback)
 
 
 @dataclass
@@ -142,7 +162,8 @@ class RankFailed(AssertionError):
             if r.traceback:
                 parts.append(f"--- rank {r.rank} ---\n{r.traceback}")
             elif not r.ok:
-                parts.append(f"--- rank {r.rank} --- exit code {r.exitcode}, no result")
+                why = r.error or "no result"
+                parts.append(f"--- rank {r.rank} --- exit code {r.exitcode}, {why}")
         super().__init__("child rank(s) failed:\n" + "\n".join(parts))
 
 
@@ -155,12 +176,20 @@ class RanksTimedOut(AssertionError):
         super().__init__(f"ranks {hung} still running after the {timeout:g} s deadline\n{tbs}")
 
 
+def _call(ctx: RankContext, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    if inspect.iscoroutinefunction(fn):
+
+        async def main() -> Any:
+            return await asyncio.wait_for(fn(ctx, *args, **kwargs), max(ctx.remaining, 0.1))
+
+        return asyncio.run(main())
+    return fn(ctx, *args, **kwargs)
+
+
 def _child(
     rank: int,
     world_size: int,
-    fn: Callable[..., Any],
-    args: tuple,
-    kwargs: dict,
+    job: bytes,
     env: dict[str, str],
     shared_dir: str,
     deadline: float,
@@ -173,14 +202,8 @@ def _child(
     )
     res = RankResult(rank)
     try:
-        if inspect.iscoroutinefunction(fn):
-
-            async def main() -> Any:
-                return await asyncio.wait_for(fn(ctx, *args, **kwargs), max(ctx.remaining, 0.1))
-
-            res.value = asyncio.run(main())
-        else:
-            res.value = fn(ctx, *args, **kwargs)
+        fn, args, kwargs = pickle.loads(job)  # imports fn's module: only now, under env
+        res.value = _call(ctx, fn, args, kwargs)
         res.ok = True
     except BaseException as exc:
         res.error_type = type(exc).__name__
@@ -189,11 +212,36 @@ def _child(
         res.traceback = traceback.format_exc()
     res.elapsed = time.perf_counter() - start
     try:
-        conn.send_bytes(pickle.dumps(res))
-    except Exception:
-        res.value = repr(res.value)
-        conn.send_bytes(pickle.dumps(res))
-    conn.close()
+        try:
+            data = pickle.dumps(res)
+        except Exception as exc:  # an unpicklable value fails here, with its traceback
+            res = RankResult(
+                rank,
+                error_type=type(exc).__name__,
+                error=f"cannot send the value back: {exc}",
+                traceback=f"cannot send the value back: {res.value!r:.200}\n"
+                f"{traceback.format_exc()}",
+                elapsed=res.elapsed,
+            )
+            data = pickle.dumps(res)
+        conn.send_bytes(data)
+        conn.close()
+    finally:
+        for callback in ctx.cleanups:
+            # The result is already reported; a failed job may leave debris behind.
+            with contextlib.suppress(Exception):
+                callback()
+
+
+def _settle_expected_deaths(final: list[RankResult], dead: set[int]) -> None:
+    for r in final:
+        if r.rank not in dead:
+            continue
+        if r.exitcode == DEAD_EXIT and not r.traceback:
+            r.ok, r.value = True, None
+        else:
+            r.ok = False
+            r.error = r.error or f"should have exited with {DEAD_EXIT}, got {r.exitcode}"
 
 
 def run_ranks(
@@ -205,6 +253,7 @@ def run_ranks(
     timeout: float = 60.0,
     env: Mapping[str, str] | Callable[[int], Mapping[str, str]] | None = None,
     check: bool = True,
+    expect_dead: Iterable[int] = (),
 ) -> list[Any] | list[RankResult]:
     """Run ``fn`` in ``world_size`` spawned processes under one shared deadline.
 
@@ -213,6 +262,7 @@ def run_ranks(
     :class:`RanksTimedOut` when ranks are still running at the deadline (they are killed).
     """
     ctx = mp.get_context("spawn")
+    job = pickle.dumps((fn, tuple(args), dict(kwargs or {})))
     deadline = time.time() + timeout
     results: list[RankResult | None] = [None] * world_size
     with tempfile.TemporaryDirectory(prefix="cgx-ranks-") as shared:
@@ -222,17 +272,7 @@ def run_ranks(
             recv_end, send_end = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_child,
-                args=(
-                    rank,
-                    world_size,
-                    fn,
-                    args,
-                    dict(kwargs or {}),
-                    child_env,
-                    shared,
-                    deadline,
-                    send_end,
-                ),
+                args=(rank, world_size, job, child_env, shared, deadline, send_end),
                 name=f"rank{rank}",
                 daemon=True,
             )
@@ -269,6 +309,7 @@ def run_ranks(
             r = results[rank] or RankResult(rank)
             r.exitcode = p.exitcode
             final.append(r)
+    _settle_expected_deaths(final, set(expect_dead))
     if hung:
         raise RanksTimedOut(hung, final, timeout)
     if not check:
