@@ -31,6 +31,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+# NO_COMPRESSION_BITS (torch_cgx's 32: do not quantize) and VALID_BITS live with the validators.
+from .arrays import NO_COMPRESSION_BITS, VALID_BITS, check_bits, check_positive_int, check_seed
 from .errors import ConfigError
 
 __all__ = [
@@ -56,11 +58,9 @@ ENV_BUCKET_SIZE = "CGX_COMPRESSION_BUCKET_SIZE"
 ENV_MINIMAL_SIZE = "CGX_COMPRESSION_MINIMAL_SIZE"
 ENV_STOCHASTIC = "CGX_COMPRESSION_STOCHASTIC"
 ENV_TIMEOUT = "CGX_UCX_TIMEOUT"
+#: Out-of-band membership secret (transport/handshake.py); the launcher sets it on every rank.
+ENV_SECRET = "CGX_UCX_SECRET"
 
-#: torch_cgx's value for "do not quantize".
-NO_COMPRESSION_BITS = 32
-#: Quantized widths the codec supports (CGX paper: 1..8 bits per value).
-VALID_BITS = frozenset(range(1, 9)) | {NO_COMPRESSION_BITS}
 #: torch_cgx forces its minimal compressed size to at least 16 values.
 MIN_COMPRESSED_SIZE = 16
 
@@ -82,14 +82,10 @@ class CompressionConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.bits not in VALID_BITS:
-            raise ConfigError(f"bits must be 1..8 or 32 (no compression), got {self.bits!r}")
-        if not isinstance(self.bucket_size, int) or self.bucket_size < 1:
-            raise ConfigError(f"bucket_size must be an integer >= 1, got {self.bucket_size!r}")
-        if not isinstance(self.minimal_size, int) or self.minimal_size < 0:
-            raise ConfigError(f"minimal_size must be an integer >= 0, got {self.minimal_size!r}")
-        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
-            raise ConfigError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+        check_bits(self.bits)
+        check_positive_int(self.bucket_size, "bucket_size")
+        check_positive_int(self.minimal_size, "minimal_size", minimum=0)
+        check_seed(self.seed)
 
     @property
     def enabled(self) -> bool:
@@ -131,6 +127,9 @@ class CommConfig:
     connect_timeout: float = 60.0
     progress_mode: str = "blocking"
     ucx_env: Mapping[str, str] = field(default_factory=dict)
+    #: Out-of-band secret every rank must know to join (None: the store is the root of
+    #: trust); never logged, never written to the store.
+    secret: str | bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.timeout > 0:
@@ -148,6 +147,8 @@ class CommConfig:
         )
         if self.ucx_env:
             text += " ucx_env=" + ",".join(f"{k}={v}" for k, v in sorted(self.ucx_env.items()))
+        if self.secret:
+            text += " secret=(set)"
         return text
 
     def __str__(self) -> str:
@@ -222,7 +223,8 @@ def resolve_comm(
     """Resolve a :class:`CommConfig`: keyword > environment > ``base`` > default."""
     env = os.environ if env is None else env
     timeout = _env_float(ENV_TIMEOUT, env, "a number of seconds > 0", lambda v: v > 0)
-    return _merge(CommConfig, base or CommConfig(), {"timeout": timeout}, kwargs)
+    secret = env.get(ENV_SECRET) or None
+    return _merge(CommConfig, base or CommConfig(), {"timeout": timeout, "secret": secret}, kwargs)
 
 
 def _any(value: int) -> bool:
