@@ -58,6 +58,7 @@ ENV_BUCKET_SIZE = "CGX_COMPRESSION_BUCKET_SIZE"
 ENV_MINIMAL_SIZE = "CGX_COMPRESSION_MINIMAL_SIZE"
 ENV_STOCHASTIC = "CGX_COMPRESSION_STOCHASTIC"
 ENV_TIMEOUT = "CGX_UCX_TIMEOUT"
+ENV_NODE_ID = "CGX_UCX_NODE_ID"
 #: Out-of-band membership secret (transport/handshake.py); the launcher sets it on every rank.
 ENV_SECRET = "CGX_UCX_SECRET"
 
@@ -130,6 +131,9 @@ class CommConfig:
     #: Out-of-band secret every rank must know to join (None: the store is the root of
     #: trust); never logged, never written to the store.
     secret: str | bytes | None = field(default=None, repr=False)
+    #: This rank's node label (ranks with equal labels share a node): overrides the
+    #: launcher's and the host's view of the nodes (cgx_ucx.transport.topology).
+    node_id: str | None = None
 
     def __post_init__(self) -> None:
         if not self.timeout > 0:
@@ -224,7 +228,9 @@ def resolve_comm(
     env = os.environ if env is None else env
     timeout = _env_float(ENV_TIMEOUT, env, "a number of seconds > 0", lambda v: v > 0)
     secret = env.get(ENV_SECRET) or None
-    return _merge(CommConfig, base or CommConfig(), {"timeout": timeout, "secret": secret}, kwargs)
+    node_id = env.get(ENV_NODE_ID) or None
+    env_values = {"timeout": timeout, "secret": secret, "node_id": node_id}
+    return _merge(CommConfig, base or CommConfig(), env_values, kwargs)
 
 
 def _any(value: int) -> bool:

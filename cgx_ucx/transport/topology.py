@@ -46,6 +46,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from ..config import ENV_NODE_ID
 from ..errors import ConfigError
 
 __all__ = [
@@ -62,8 +63,6 @@ __all__ = [
     "resolve_hierarchy",
 ]
 
-#: This rank's node label (the explicit override; ``CommConfig.node_id`` wins over it).
-ENV_NODE_ID = "CGX_UCX_NODE_ID"
 #: torch_cgx: intra-node communicator, MPI | SHM | NCCL (P2P in older versions).
 ENV_INNER_COMMUNICATOR = "CGX_INNER_COMMUNICATOR_TYPE"
 #: torch_cgx: intra-node reduction algorithm, SRA | Ring.
