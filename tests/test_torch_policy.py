@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 
 from test_torch_harness import join_cgx_with_gloo, run_ranks  # noqa: E402
 
-from cgx_ucx.compression.adaptive import Schedule  # noqa: E402
+from cgx_ucx.compression.policies import Schedule  # noqa: E402
 from cgx_ucx.config import VALID_BITS, CompressionConfig  # noqa: E402
 from cgx_ucx.errors import ConfigError  # noqa: E402
 from cgx_ucx.layout import Layout  # noqa: E402
@@ -240,7 +240,7 @@ def _same_on_ranks(t: Any, gloo: Any) -> bool:
 
 def _check_policy(policy: Any, params: list[Any], gloo: Any) -> dict[str, Any]:
     """Ranks agree; every layer has a row; auto follows its cost model. A summary."""
-    from cgx_ucx.compression.adaptive import AutoPolicy, layer_seconds
+    from cgx_ucx.compression.policies import AutoPolicy, layer_seconds
 
     enc = torch.from_numpy(policy.current.encode())
     assert _same_on_ranks(enc, gloo), (policy.name, enc)

@@ -26,14 +26,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..compression.adaptive import (
+from ..agreement import agree_sync, make_link_probe
+from ..compression.policies import (
     POLICIES,
     AutoPolicy,
     LayerInfo,
     LayerStats,
     Policy,
-    agree_sync,
-    make_link_probe,
     make_policy,
 )
 from ..config import CompressionConfig

@@ -108,7 +108,7 @@ class CGXOptions:
     def __post_init__(self) -> None:
         if self.policy == "static":
             return
-        from ..compression.adaptive import POLICIES
+        from ..compression.policies import POLICIES
 
         if self.policy in POLICIES:
             raise ConfigError(

@@ -54,7 +54,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..compression.adaptive import AutoPolicy, LayerStats, Policy
+from ..compression.policies import AutoPolicy, LayerStats, Policy
 from ..config import CompressionConfig, resolve_comm, resolve_compression
 from ..errors import CGXTimeoutError, ConfigError
 from ..layout import Layout

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..compression.adaptive import LayerStats, Policy
+from ..compression.policies import LayerStats, Policy
 from ..config import CompressionConfig, resolve_comm, resolve_compression
 from ..errors import ConfigError
 from ..layout import Layout
