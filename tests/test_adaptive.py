@@ -1,11 +1,16 @@
-"""Layer-wise adaptive compression policies (issue 6): static, kmeans, budget, auto."""
+"""Layer-wise adaptive compression policies (issue 6): static, kmeans, budget, auto, and
+their agreement across ranks (cgx_ucx.agreement)."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import importlib
 import itertools
 import logging
+import pathlib
+import re
+import sys
 import threading
 import time
 
@@ -13,8 +18,9 @@ import numpy as np
 import pytest
 
 from cgx_ucx import CGXTimeoutError, CompressionConfig, ConfigError, Layout
-from cgx_ucx.compression import decode, encode
-from cgx_ucx.compression.adaptive import (
+from cgx_ucx.agreement import agree, agree_sync
+from cgx_ucx.compression import decode, encode, encoded_nbytes, policies
+from cgx_ucx.compression.policies import (
     PAPER_CONFIG,
     Assignment,
     AutoPolicy,
@@ -24,8 +30,6 @@ from cgx_ucx.compression.adaptive import (
     LayerInfo,
     Schedule,
     StaticPolicy,
-    agree,
-    agree_sync,
     allreduce_seconds,
     deterministic_kmeans,
     layer_seconds,
@@ -105,6 +109,26 @@ def test_wire_nbytes_formula():
     assert wire_nbytes(0, 4, 1024) == 24
     assert wire_nbytes(7, 3, 2) == 24 + 8 * 4 + 3
     assert wire_nbytes(10, 32, 1024) == 24 + 40
+    assert wire_nbytes is encoded_nbytes  # one function computes the wire size
+
+
+def test_adaptive_module_is_a_deprecated_alias():
+    sys.modules.pop("cgx_ucx.compression.adaptive", None)
+    with pytest.warns(DeprecationWarning, match="cgx_ucx.agreement"):
+        adaptive = importlib.import_module("cgx_ucx.compression.adaptive")
+    for name in adaptive.__all__:
+        assert getattr(adaptive, name) is getattr(policies, name), name
+    assert {"agree", "agree_sync", "make_link_probe"}.isdisjoint(dir(adaptive))
+
+
+def test_compression_imports_nothing_above_it():
+    """compression/ computes; collectives, transport, engine, agreement and torch are above."""
+    root = pathlib.Path(policies.__file__).parents[1]
+    above = re.compile(r"(cgx_ucx|\.\.)\.?(transport|collectives|engine|agreement|torch)\b")
+    for path in sorted(root.rglob("*.py")):
+        for line in path.read_text().splitlines():
+            if re.match(r"\s*(from|import)\s", line):
+                assert not above.search(line), f"{path.name}: {line.strip()}"
 
 
 def _codec_sse(x, bits, bucket):
@@ -723,8 +747,8 @@ async def _agree_on_the_engine(ctx):
     """Every policy, real communicator, different local gradients on each rank: decide
     with agree(), then run the gradient allreduce with the policy's layout (ranks whose
     layouts differed would fail with CollectiveMismatchError)."""
+    from cgx_ucx.agreement import make_link_probe
     from cgx_ucx.collectives import connect
-    from cgx_ucx.compression.adaptive import make_link_probe
     from cgx_ucx.config import CommConfig
 
     cfg = CommConfig(timeout=20.0, connect_timeout=30.0)
