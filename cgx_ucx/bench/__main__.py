@@ -1,7 +1,9 @@
 """The benchmark command line: ``python -m cgx_ucx.bench <name> [options]`` (or ``cgx-bench``).
 
 Each benchmark is a module ``cgx_ucx.bench.<name>`` exposing ``main(argv) -> int``;
-every one prints a table and writes JSON under ``benchmarks/results/``.
+every one shows its progress, prints a table and writes JSON to ``--out-dir`` (default: a
+new ``./cgx_bench_results/<timestamp>/`` under the current directory). Only
+``--refresh-tracked`` overwrites the checkout's recorded ``benchmarks/results/``.
 """
 
 from __future__ import annotations

@@ -18,7 +18,9 @@ tag_bw`` between two processes of this host, run from the libucx wheel.
 ``--cma`` runs with ``data_error_handling=False`` (CMA zero-copy on one host, at the
 risk described in :mod:`cgx_ucx.transport.mesh`), for comparison.
 
-Prints a table and writes ``benchmarks/results/allreduce.json`` (``--out`` to change).
+Shows progress (one step per size and method, from rank 0), prints a table and writes
+``allreduce.json`` to ``--out-dir`` (default: a new ``./cgx_bench_results/<timestamp>/``;
+``--refresh-tracked``: the checkout's ``benchmarks/results/``).
 The load average before and after is recorded: on a shared machine, compare rows of one
 run with each other, not across runs.
 """
@@ -41,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from .report import format_table, write_json
+from .report import HelpFormatter, Progress, add_output_args, format_table, results_dir, write_json
 
 MiB = 1 << 20
 #: Sends kept in flight by the point-to-point test (ucx_perftest's tag_bw also keeps a
@@ -56,7 +58,9 @@ def _iters(nbytes: int, requested: int | None) -> int:
     return int(min(max((512 * MiB) // max(nbytes, 1), 3), 50))
 
 
-async def _rank_main(rank: int, world: int, port: int, opts: dict[str, Any]) -> dict[str, Any]:
+async def _rank_main(
+    rank: int, world: int, port: int, opts: dict[str, Any], q: Any = None
+) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -105,6 +109,8 @@ async def _rank_main(rank: int, world: int, port: int, opts: dict[str, Any]) -> 
                     await op()
                 elapsed = (time.perf_counter() - start) / iters
                 rows.append({"size_mib": size_mib, "method": method, "iters": iters, "s": elapsed})
+                if rank == 0 and q is not None:
+                    q.put((rank, "progress", f"{size_mib:g} MiB {method} {elapsed * 1e3:.1f} ms"))
         p2p = []
         if world == 2 and opts["p2p"]:
             p2p = await _p2p(comm, rank, opts["p2p_sizes"])
@@ -117,7 +123,8 @@ async def _rank_main(rank: int, world: int, port: int, opts: dict[str, Any]) -> 
 
 async def _p2p(comm: Any, rank: int, sizes: list[float]) -> list[dict[str, Any]]:
     """Rank 0 streams to rank 1 over the data channel, P2P_WINDOW sends in flight."""
-    mesh = comm._mesh  # the transport itself, below the collective protocol
+    # the transport itself, below the collective protocol: what ucx_perftest measures
+    mesh = comm._mesh  # noqa: SLF001
     out = []
     ack = np.zeros(1, np.uint8)
     for size_mib in sizes:
@@ -151,14 +158,16 @@ async def _windowed(start: Callable[[], Awaitable[Any]], iters: int) -> None:
 
 def _child(rank: int, world: int, port: int, opts: dict[str, Any], q: Any) -> None:
     try:
-        q.put((rank, "ok", asyncio.run(_rank_main(rank, world, port, opts))))
+        q.put((rank, "ok", asyncio.run(_rank_main(rank, world, port, opts, q))))
     except BaseException as exc:  # reported by the parent
         import traceback
 
         q.put((rank, "error", f"{exc!r}\n{traceback.format_exc()}"))
 
 
-def _run_world(world: int, opts: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+def _run_world(
+    world: int, opts: dict[str, Any], timeout: float, bar: Progress | None = None
+) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
     master = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
@@ -182,6 +191,10 @@ def _run_world(world: int, opts: dict[str, Any], timeout: float) -> list[dict[st
             except Exception:  # queue.Empty
                 if any(p.exitcode not in (None, 0) for p in procs):
                     raise RuntimeError("a benchmark rank died") from None
+                continue
+            if status == "progress":
+                if bar is not None:
+                    bar.update(note=f"world {world}: {value}")
                 continue
             if status != "ok":
                 raise RuntimeError(f"rank {rank} failed: {value}")
@@ -224,22 +237,26 @@ def _perftest(nbytes: int, iters: int) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m cgx_ucx.bench allreduce", description=__doc__)
-    ap.add_argument("--world", type=int, nargs="+", default=[2, 4])
+    ap = argparse.ArgumentParser(
+        prog="python -m cgx_ucx.bench allreduce", description=__doc__, formatter_class=HelpFormatter
+    )
+    ap.add_argument("--world", type=int, nargs="+", default=[2, 4], help="world sizes")
     ap.add_argument("--sizes", type=float, nargs="+", default=[1, 4, 16, 64, 256], help="MiB")
-    ap.add_argument("--bits", type=int, nargs="+", default=[2, 4, 8, 32])
-    ap.add_argument("--iters", type=int, default=None)
-    ap.add_argument("--algorithm", default="auto", choices=["auto", "sra", "ring"])
-    ap.add_argument("--p2p-sizes", type=float, nargs="+", default=[1, 16, 64])
-    ap.add_argument("--no-p2p", action="store_true")
+    ap.add_argument("--bits", type=int, nargs="+", default=[2, 4, 8, 32], help="cgx bit widths")
+    ap.add_argument("--iters", type=int, default=None, help="timed calls (unset: ~0.5-1 GB)")
+    ap.add_argument("--algorithm", default="auto", choices=["auto", "sra", "ring"], help="cgx")
+    ap.add_argument("--p2p-sizes", type=float, nargs="+", default=[1, 16, 64], help="MiB")
+    ap.add_argument("--no-p2p", action="store_true", help="skip the point-to-point test")
     ap.add_argument(
         "--cma",
         action="store_true",
         help="data endpoints without error handling (CMA zero-copy; a dying peer can abort)",
     )
-    ap.add_argument("--timeout", type=float, default=1800.0)
-    ap.add_argument("--out", default=None, help="results directory")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per world size")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_output_args(ap)
     args = ap.parse_args(argv)
+    out_dir = results_dir(args)
     opts = {
         "sizes": args.sizes,
         "bits": args.bits,
@@ -251,8 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     load_before = os.getloadavg()
     table, records, p2p_rows = [], [], []
+    steps = len(args.world) * len(args.sizes) * (1 + len(args.bits))
+    bar = Progress(steps, "allreduce", disable=args.quiet)
     for world in args.world:
-        per_rank = _run_world(world, opts, args.timeout)
+        per_rank = _run_world(world, opts, args.timeout, bar)
         for i, row in enumerate(per_rank[0]["rows"]):
             s = max(r["rows"][i]["s"] for r in per_rank)
             records.append(
@@ -278,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                 perf = _perftest(nbytes, row["iters"])
                 ratio = row["GBps"] / perf if perf else None
                 p2p_rows.append({**row, "perftest_GBps": perf, "ratio": ratio})
+    bar.close()
     load_after = os.getloadavg()
     print(format_table(["world", "MiB", "method", "ms/op", "algbw GB/s", "x gloo"], table))
     if p2p_rows:
@@ -301,13 +321,13 @@ def main(argv: list[str] | None = None) -> int:
     path = write_json(
         "allreduce",
         {
-            "args": vars(args),
+            "args": {k: v for k, v in vars(args).items() if k != "refresh_tracked"},
             "allreduce": records,
             "p2p": p2p_rows,
             "loadavg_before": load_before,
             "loadavg_after": load_after,
         },
-        args.out,
+        out_dir,
     )
     print(f"wrote {path}")
     return 0

@@ -1,6 +1,6 @@
 """Codec throughput on the host: Numba kernels and the NumPy reference next to memcpy.
 
-``python -m cgx_ucx.bench codec [--sizes MiB ...] [--bits ...] [--repeat N] [--out DIR]``
+``python -m cgx_ucx.bench codec [--sizes MiB ...] [--bits ...] [--repeat N] [--out-dir DIR]``
 
 For each size (MiB of float32 input) and bit width it times, in the same run and on the
 same buffers: ``np.copyto`` of the input (memcpy; its GB/s are bytes read per second),
@@ -11,7 +11,9 @@ the reference; the best times are kept too. The load average before and after is
 recorded: on a shared machine the parallel kernels wait for every thread, so other
 processes show up directly (compare the best times, or run with ``--threads 1``).
 
-Prints a table and writes ``codec.json`` (``benchmarks/results`` by default).
+Shows a progress bar, prints a table and writes ``codec.json`` to ``--out-dir`` (default: a
+new ``./cgx_bench_results/<timestamp>/``; ``--refresh-tracked``: the checkout's
+``benchmarks/results/``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -27,7 +30,14 @@ from typing import Any
 import numpy as np
 
 from ..compression import decode_add, encode, encoded_nbytes, reference
-from .report import format_table, write_json
+from .report import (
+    HelpFormatter,
+    Progress,
+    add_output_args,
+    format_table,
+    results_dir,
+    write_json,
+)
 
 MIB = 1 << 20
 #: The reference is 50-100x slower: it gets at most this many timed repeats.
@@ -57,7 +67,12 @@ def _timed(fn: Callable[[], Any], repeat: int, warmup: int = 2) -> tuple[float, 
 
 
 def run(
-    sizes_mib: list[float], bits_list: list[int], bucket: int, repeat: int, with_reference: bool
+    sizes_mib: list[float],
+    bits_list: list[int],
+    bucket: int,
+    repeat: int,
+    with_reference: bool,
+    bar: Progress | None = None,
 ) -> list[dict[str, Any]]:
     rows = []
     rng = np.random.default_rng(0)
@@ -93,19 +108,27 @@ def run(
                 row["encode_vs_ref"] = t_ref_enc / t_enc
                 row["decode_add_vs_ref"] = t_ref_add / t_add
             rows.append(row)
+            if bar is not None:
+                bar.update(note=f"{mib:g} MiB {bits}-bit: encode {row['encode_GBps']:.2f} GB/s")
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m cgx_ucx.bench codec", description=__doc__)
+    ap = argparse.ArgumentParser(
+        prog="python -m cgx_ucx.bench codec",
+        description=__doc__,
+        formatter_class=HelpFormatter,
+    )
     ap.add_argument("--sizes", type=float, nargs="+", default=[1, 16, 64], help="MiB of float32")
-    ap.add_argument("--bits", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--bits", type=int, nargs="+", default=[2, 4, 8], help="bit widths")
     ap.add_argument("--bucket", type=int, default=1024, help="bucket size (values)")
     ap.add_argument("--repeat", type=int, default=10, help="timed repeats (median)")
-    ap.add_argument("--threads", type=int, default=None, help="codec threads (default: all cores)")
+    ap.add_argument("--threads", type=int, default=None, help="codec threads (unset: all cores)")
     ap.add_argument("--no-reference", action="store_true", help="skip the NumPy reference")
-    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_output_args(ap)
     args = ap.parse_args(argv)
+    out_dir = results_dir(args)
 
     from ..compression import cpu
 
@@ -114,8 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     threads = cpu.num_threads()
     load_before = os.getloadavg()
     # compile (or load from the cache) before any timing
+    if not args.quiet:
+        print("codec: compiling the Numba kernels (cached after the first run)", file=sys.stderr)
     encode(np.zeros(1 << 17, np.float32), 4, args.bucket)
-    rows = run(args.sizes, args.bits, args.bucket, args.repeat, not args.no_reference)
+    with Progress(len(args.sizes) * len(args.bits), "codec", disable=args.quiet) as bar:
+        rows = run(args.sizes, args.bits, args.bucket, args.repeat, not args.no_reference, bar)
     load_after = os.getloadavg()
 
     headers = ["MiB", "bits", "memcpy", "enc", "enc/memcpy", "enc best", "enc SR", "dec_add",
@@ -145,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             "loadavg_after": load_after,
             "rows": rows,
         },
-        args.out,
+        out_dir,
     )
     print(f"wrote {path}")
     return 0

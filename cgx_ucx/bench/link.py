@@ -56,7 +56,7 @@ from ..compression import encoded_nbytes
 from ..errors import CGXError
 from .link_worker import PROGRESS
 from .netns import LinkEmulator, TcpMeasurement, format_rate, missing_prerequisites, parse_rate
-from .report import default_results_dir, format_table, write_json
+from .report import add_output_args, format_table, results_dir, write_json
 
 __all__ = ["main"]
 
@@ -567,7 +567,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--probe-seconds", type=float, default=1.0)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any single wait may take")
     p.add_argument("--plot-size", type=_parse_size, default=64 * MIB)
-    p.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/")
+    add_output_args(p)
     p.add_argument("--verbose", action="store_true", help="show the ranks' stderr")
     return p
 
@@ -590,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
         print("link emulation needs " + ", ".join(missing), file=sys.stderr)
         return 2
     args.sizes = sorted(set(args.sizes))
-    out_dir = args.out or default_results_dir()
+    out_dir = results_dir(args)
     steps_per = 1 + len(args.sizes) * (len(args.bits) + 1)
     if args.train:
         steps_per += 2 * (args.steps + args.warmup)

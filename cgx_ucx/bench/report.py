@@ -1,22 +1,162 @@
-"""Shared output of the benchmarks: a plain-text table on the terminal and a JSON record."""
+"""Shared output of the benchmarks: where results go, progress bars, a plain-text table on
+the terminal and a JSON record.
+
+Results go to the directory the user names (``--out-dir``), else to a new
+``./cgx_bench_results/<timestamp>/`` under the current directory: never into the
+installed package, and never over the tracked ``benchmarks/results/`` of a checkout, which
+only ``--refresh-tracked`` writes (the lead's recorded figures that the README quotes).
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
-__all__ = ["default_results_dir", "format_table", "machine_info", "write_json"]
+__all__ = [
+    "DEFAULT_RESULTS_ROOT",
+    "HelpFormatter",
+    "Progress",
+    "add_output_args",
+    "default_results_dir",
+    "format_table",
+    "machine_info",
+    "progress",
+    "results_dir",
+    "tracked_results_dir",
+    "write_json",
+]
+
+#: Parent of the per-run result directories, relative to the current directory.
+DEFAULT_RESULTS_ROOT = "cgx_bench_results"
+_RUN_STAMP = time.strftime("%Y%m%d-%H%M%S")  # one directory per process, however many files
 
 
 def default_results_dir() -> Path:
-    """``benchmarks/results`` of the checkout when run from one, else ``./benchmarks/results``."""
+    """``./cgx_bench_results/<timestamp of this process>/`` (created on first write)."""
+    return Path.cwd() / DEFAULT_RESULTS_ROOT / _RUN_STAMP
+
+
+def tracked_results_dir() -> Path:
+    """``benchmarks/results`` of the source checkout this package runs from.
+
+    Raises FileNotFoundError when the package is not run from a checkout (an installed
+    wheel has no tracked results to refresh).
+    """
     here = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
-    return here if here.parent.is_dir() else Path.cwd() / "benchmarks" / "results"
+    if not here.is_dir():
+        raise FileNotFoundError(
+            f"--refresh-tracked writes a checkout's benchmarks/results/, and {here} is not one"
+        )
+    return here
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """``--help`` shows each option's default (not for flags and unset options, where
+    "default: None/False" says nothing) and the module doc as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _DeprecatedOut(argparse.Action):
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        print(f"note: {option} is deprecated, use --out-dir", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_output_args(parser: argparse.ArgumentParser) -> None:
+    """``--out-dir``, its deprecated alias ``--out``, and ``--refresh-tracked``."""
+    parser.add_argument(
+        "--out-dir",
+        default=None,
+        help=f"directory for the results (default: a new ./{DEFAULT_RESULTS_ROOT}/<timestamp>/)",
+    )
+    parser.add_argument(
+        "--out", dest="out_dir", action=_DeprecatedOut, help="deprecated alias of --out-dir"
+    )
+    parser.add_argument(
+        "--refresh-tracked",
+        action="store_true",
+        help="write the checkout's tracked benchmarks/results/ (the figures the README quotes)",
+    )
+
+
+def results_dir(args: argparse.Namespace) -> Path:
+    """Where this run writes: ``--refresh-tracked``, else ``--out-dir``, else a new
+    directory under ``./cgx_bench_results/``."""
+    if getattr(args, "refresh_tracked", False):
+        return tracked_results_dir()
+    out = getattr(args, "out_dir", None)
+    return Path(out) if out else default_results_dir()
+
+
+class Progress:
+    """A progress bar: tqdm when installed (the bench extra), else a line per update at
+    most every few seconds, so that a log shows the run is alive."""
+
+    def __init__(
+        self, total: int, desc: str, *, disable: bool = False, stream: TextIO | None = None
+    ) -> None:
+        self.total, self.desc, self.disable = total, desc, disable
+        self.n = 0
+        self._stream = stream if stream is not None else sys.stderr
+        self._last = 0.0
+        self._start = time.monotonic()
+        self._bar: Any = None
+        if not disable:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                pass
+            else:
+                self._bar = tqdm(total=total, desc=desc, file=self._stream, dynamic_ncols=True)
+
+    def update(self, n: int = 1, note: str = "") -> None:
+        self.n += n
+        if self.disable:
+            return
+        if self._bar is not None:
+            if note:
+                self._bar.set_postfix_str(note, refresh=False)
+            self._bar.update(n)
+            return
+        now = time.monotonic()
+        if now - self._last >= 2.0 or self.n >= self.total:
+            self._last = now
+            print(
+                f"{self.desc}: {self.n}/{self.total} ({now - self._start:.0f} s) {note}".rstrip(),
+                file=self._stream,
+                flush=True,
+            )
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def progress(
+    items: Iterable[Any], total: int, desc: str, *, disable: bool = False
+) -> Iterator[Any]:
+    """Iterate ``items`` with a :class:`Progress` bar."""
+    with Progress(total, desc, disable=disable) as bar:
+        for item in items:
+            yield item
+            bar.update()
 
 
 def machine_info() -> dict[str, Any]:
@@ -48,7 +188,8 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def write_json(name: str, record: dict[str, Any], out_dir: str | Path | None = None) -> Path:
-    """Write ``record`` (plus machine info) to ``<out_dir>/<name>.json``; returns the path."""
+    """Write ``record`` (plus machine info) to ``<out_dir>/<name>.json`` (default: a new
+    ``./cgx_bench_results/<timestamp>/``); returns the path."""
     out = Path(out_dir) if out_dir else default_results_dir()
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"

@@ -31,13 +31,16 @@ difference fails the run.
 (:mod:`cgx_ucx.bench.netns`, needs root and iproute2), the commodity-link setting where
 compression pays; without it the ranks talk over loopback. The ranks use the engine
 directly (:func:`~cgx_ucx.engine.connect_sync` on a TCPStore at ``MASTER_ADDR``).
-Output: a table and ``benchmarks/results/train.json`` (``train_<rate>.json`` with a link
-rate).
+Output: a progress bar (one step per policy run), a table and ``train.json``
+(``train_<rate>.json`` with a link rate) in ``--out-dir`` (default: a new
+``./cgx_bench_results/<timestamp>/``; ``--refresh-tracked``: the checkout's
+``benchmarks/results/``).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import socket
@@ -45,11 +48,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .report import format_table, write_json
+from .report import HelpFormatter, Progress, add_output_args, format_table, results_dir, write_json
 
 __all__ = ["main"]
 
@@ -62,6 +65,8 @@ WARMUP_FRACTION = 0.1
 AUTO_SLACK = 1.05
 #: Marks the result line a rank prints on stdout.
 RESULT_TAG = "CGX_TRAIN_RESULT "
+#: Marks a rank's progress lines on stderr.
+PROGRESS_TAG = "[train]"
 
 
 # =======================================================================================
@@ -70,19 +75,21 @@ RESULT_TAG = "CGX_TRAIN_RESULT "
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m cgx_ucx.bench train", description=__doc__.splitlines()[0]
+        prog="python -m cgx_ucx.bench train",
+        description=__doc__.splitlines()[0],
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("--world", type=int, default=2, help="ranks (default 2)")
+    p.add_argument("--world", type=int, default=2, help="ranks")
     p.add_argument(
         "--policies",
         default=",".join(POLICY_NAMES),
         help=f"comma-separated subset of {','.join(POLICY_NAMES)}",
     )
-    p.add_argument("--epochs", type=int, default=15)
+    p.add_argument("--epochs", type=int, default=15, help="epochs per run")
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--lr", type=float, default=0.1, help="peak of the one-cycle schedule")
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hidden", type=int, default=512, help="MLP width H")
+    p.add_argument("--seed", type=int, default=0, help="model, data split and order")
     p.add_argument(
         "--repeats", type=int, default=3, help="runs per policy, in rotating order (median)"
     )
@@ -92,7 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--check-every", type=int, default=50, help="auto: drift check period")
     p.add_argument("--link-rate", default=None, help="emulated link rate, e.g. 1gbit (root)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole run")
-    p.add_argument("--out", default=None, help="results directory (benchmarks/results)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_output_args(p)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p
 
@@ -113,9 +121,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.worker:
         return _worker(args, policies)
 
+    out_dir = results_dir(args)
     forward = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--worker"]
     cmd = [sys.executable, "-m", "cgx_ucx.bench.train", "--worker", *forward]
     started = time.monotonic()
+    bar = Progress(args.repeats * len(policies), "train", disable=args.quiet)
+    on_line = functools.partial(_on_rank_line, bar)
     try:
         if args.link_rate:
             from .netns import LinkEmulator, missing_prerequisites
@@ -126,14 +137,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 2
             with LinkEmulator(args.world, args.link_rate) as em:
                 runs = em.run_ranks(
-                    cmd, timeout=args.timeout, env=_threads_env(args.world), progress=_echo
+                    cmd, timeout=args.timeout, env=_threads_env(args.world), progress=on_line
                 )
                 outs = [r.stdout for r in runs]
         else:
-            outs = _run_local(cmd, args.world, args.timeout)
+            outs = _run_local(cmd, args.world, args.timeout, on_line)
     except Exception as exc:  # report the failing ranks, exit non-zero
+        bar.close()
         print(f"training benchmark failed: {exc}", file=sys.stderr)
         return 1
+    bar.close()
     record = _parse(outs[0])
     record["wall_s"] = round(time.monotonic() - started, 1)
     record["link_rate"] = args.link_rate or "loopback"
@@ -143,14 +156,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in record["targets"]["lines"]:
         print(line)
     name = "train" if not args.link_rate else f"train_{args.link_rate}"
-    path = write_json(name, record, args.out)
+    path = write_json(name, record, out_dir)
     print(f"wrote {path}")
     return 0
 
 
-def _echo(rank: int, line: str) -> None:
-    if rank == 0 and line.startswith("[train]"):
-        print(line.rstrip(), file=sys.stderr)
+def _on_rank_line(bar: Progress, rank: int, line: str) -> None:
+    """Rank 0's ``[train] ... done`` lines advance the bar (other lines are its log)."""
+    if rank == 0 and line.startswith(PROGRESS_TAG):
+        text = line[len(PROGRESS_TAG) :].strip()
+        if text.endswith(" done"):
+            bar.update(note=text)
 
 
 def _threads_env(world: int) -> dict[str, str]:
@@ -166,8 +182,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run_local(cmd: list[str], world: int, timeout: float) -> list[str]:
+def _run_local(
+    cmd: list[str],
+    world: int,
+    timeout: float,
+    on_line: Callable[[int, str], None] | None = None,
+) -> list[str]:
     """One process per rank on loopback, one shared deadline; their stdouts.
+
+    ``on_line(0, line)`` sees rank 0's stderr lines while it runs (progress).
 
     A rank that fails or the deadline passing kills the others and raises with the
     stderr tails (the children's tracebacks).
@@ -192,8 +215,11 @@ def _run_local(cmd: list[str], world: int, timeout: float) -> list[str]:
             files.append((out, err))
             procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True))
         failed = timed_out = False
+        seen = 0  # bytes of rank 0's stderr already passed to on_line
         try:
             while any(p.poll() is None for p in procs):
+                if on_line is not None:
+                    seen = _follow(files[0][1], seen, on_line)
                 if any(p.returncode not in (None, 0) for p in procs):
                     failed = True
                     time.sleep(2.0)  # let the others report their side
@@ -223,6 +249,18 @@ def _run_local(cmd: list[str], world: int, timeout: float) -> list[str]:
         why = f"deadline of {timeout:g} s passed" if timed_out else f"rank(s) {bad} failed"
         raise RuntimeError(f"{why}\n{tails}")
     return [o for o, _ in texts]
+
+
+def _follow(f: Any, seen: int, on_line: Callable[[int, str], None]) -> int:
+    """Pass the complete lines written to ``f`` past byte ``seen`` to ``on_line(0, .)``;
+    returns the new position."""
+    with open(f.name, "rb") as g:
+        g.seek(seen)
+        chunk = g.read()
+    end = chunk.rfind(b"\n") + 1
+    for line in chunk[:end].decode(errors="replace").splitlines():
+        on_line(0, line)
+    return seen + end
 
 
 def _parse(stdout: str) -> dict[str, Any]:
@@ -328,8 +366,16 @@ def _worker(args: argparse.Namespace, policies: list[str]) -> int:
             # 10-40% on this shared host (caches, other processes), more than policies did
             k = r % len(policies)
             for name in policies[k:] + policies[:k]:
-                print(f"[train] rank {rank}: {name} run {r + 1}", file=sys.stderr, flush=True)
+                print(
+                    f"{PROGRESS_TAG} rank {rank}: {name} run {r + 1}", file=sys.stderr, flush=True
+                )
                 runs[name].append(_train_one(name, comm, data, args))
+                step_ms = runs[name][-1]["step_ms"]
+                print(
+                    f"{PROGRESS_TAG} {name} run {r + 1}: {step_ms:.2f} ms/step done",
+                    file=sys.stderr,
+                    flush=True,
+                )
         results = [_combine(runs[name]) for name in policies]
         steps_per_epoch = (len(data[1]) // world) // args.batch_size
         record = {
@@ -397,8 +443,12 @@ def _load_data(seed: int) -> tuple[Any, Any, Any, Any]:
 
 
 def _make_policy(name: str, params: list[tuple[str, Any]], comm: Any, args: argparse.Namespace):
-    from cgx_ucx.agreement import make_link_probe
-    from cgx_ucx.compression.policies import Schedule, layers_from_parameters, make_policy
+    from cgx_ucx.compression.adaptive import (
+        Schedule,
+        layers_from_parameters,
+        make_link_probe,
+        make_policy,
+    )
 
     layers = layers_from_parameters(params)
     sched = Schedule(args.warmup, args.interval, args.window)
@@ -423,8 +473,7 @@ def _train_one(name: str, comm: Any, data: Any, args: argparse.Namespace) -> dic
     import torch.nn as nn
     import torch.nn.functional as F
 
-    from cgx_ucx.agreement import agree_sync
-    from cgx_ucx.compression.policies import AutoPolicy
+    from cgx_ucx.compression.adaptive import AutoPolicy, agree_sync
     from cgx_ucx.layout import Layout
 
     xtr, ytr, xte, yte = data
