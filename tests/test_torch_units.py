@@ -110,8 +110,7 @@ def test_failing_finish_fails_the_future() -> None:
 @pytest.mark.timeout(30)
 def test_work_wait_times_out_with_a_typed_error() -> None:
     src: concurrent.futures.Future[int] = concurrent.futures.Future()
-    work = CGXWork("allreduce", timeout=0.2)
-    work._attach(to_torch_future(src, lambda v: [torch.ones(1)], done=work._mark_done))
+    work = CGXWork.from_future("allreduce", 0.2, src, lambda v: [torch.ones(1)])
     t0 = time.monotonic()
     with pytest.raises(CGXTimeoutError, match="allreduce"):
         work.wait()
@@ -126,10 +125,21 @@ def test_work_wait_times_out_with_a_typed_error() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_work_is_a_torch_work_completed_through_its_public_api() -> None:
+    work = CGXWork("barrier", timeout=5)
+    assert isinstance(work, dist.Work)  # what a Python ProcessGroup must return
+    fut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+    work.attach(fut)
+    assert work.get_future() is fut and not work.is_completed()
+    fut.set_result([])
+    work.mark_done(None)
+    assert work.wait() is True and work.is_success() and work.result() == []
+
+
+@pytest.mark.timeout(30)
 def test_work_wait_raises_the_collective_error() -> None:
     src: concurrent.futures.Future[int] = concurrent.futures.Future()
-    work = CGXWork("broadcast", timeout=10)
-    work._attach(to_torch_future(src, lambda v: [], done=work._mark_done))
+    work = CGXWork.from_future("broadcast", 10, src, lambda v: [])
     src.set_exception(PeerLostError("peer 3 lost", peer=3))
     with pytest.raises(PeerLostError, match="peer 3"):
         work.wait()

@@ -56,7 +56,7 @@ from ..config import (
 from ..errors import CGXError, ConfigError
 from ..layout import Layout
 from ._convert import as_array, can_sum, is_float
-from .futures import to_torch_future
+from .protocols import Communicator, Store
 from .work import CGXWork
 
 __all__ = [
@@ -143,7 +143,9 @@ def _comm_config(timeout: datetime.timedelta | None, options: CGXOptions | None)
     return resolve_comm(base, timeout=secs, connect_timeout=secs)
 
 
-def _connect(store: Any, rank: int, size: int, config: CommConfig, prefix: str) -> Any:
+def _connect(
+    store: Store | None, rank: int, size: int, config: CommConfig, prefix: str
+) -> Communicator:
     from ..engine import connect_sync  # the engine imports UCX: only when a group is made
 
     return connect_sync(store, rank, size, config=config, prefix=prefix)
@@ -191,13 +193,13 @@ class ProcessGroupCGX(dist.ProcessGroup):
 
     def __init__(
         self,
-        store: Any,
+        store: Store | None,
         rank: int,
         size: int,
         timeout: datetime.timedelta | None = None,
         options: CGXOptions | None = None,
         *,
-        communicator: Any = None,
+        communicator: Communicator | None = None,
     ) -> None:
         # The (store, rank, size) constructor refuses Python subclasses in torch 2.13.
         super().__init__(rank, size)
@@ -253,7 +255,7 @@ class ProcessGroupCGX(dist.ProcessGroup):
 
     # -- configuration ---------------------------------------------------------------------
     @property
-    def communicator(self) -> Any:
+    def communicator(self) -> Communicator:
         """The engine's synchronous communicator of this group."""
         return self._comm
 
@@ -288,9 +290,7 @@ class ProcessGroupCGX(dist.ProcessGroup):
     ) -> CGXWork:
         secs = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else None
         limit = secs if secs is not None and secs > 0 else self._comm_config.timeout
-        work = CGXWork(what, limit)
-        work._attach(to_torch_future(cf, finish, done=work._mark_done))
-        return work
+        return CGXWork.from_future(what, limit, cf, finish)
 
     @staticmethod
     def _single(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
@@ -619,14 +619,14 @@ def register() -> None:
 
 # -- communicators for groups of other backends -------------------------------------------
 
-_comms: dict[str, Any] = {}
+_comms: dict[str, Communicator] = {}
 _generations: dict[str, int] = {}
 _comms_lock = threading.Lock()
 
 
 def get_communicator(
     group: dist.ProcessGroup | None = None, *, config: CommConfig | None = None
-) -> Any:
+) -> Communicator:
     """The cgx_ucx synchronous communicator serving ``group`` (default: WORLD).
 
     A ``cgx`` group has its own. For a group of another backend (DDP on gloo with
@@ -643,7 +643,7 @@ def get_communicator(
     name = group.group_name
     with _comms_lock:
         comm = _comms.get(name)
-        if comm is not None and not getattr(comm, "closed", False):
+        if comm is not None and not comm.closed:
             return comm
         store = group.get_group_store()
         if store is None:

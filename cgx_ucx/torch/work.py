@@ -1,26 +1,35 @@
 """The Work object the `cgx` backend returns for every collective.
 
-Why a ``torch.distributed._Work`` subclass and not ``_create_work_from_future``: in
-torch 2.13 a Work made from a future whose result is an exception still reports
-success and its ``wait()`` returns normally (measured: ``is_success()`` is True),
-which would turn a lost peer into silently stale tensors. This class raises the
-engine's own exception (a :class:`~cgx_ucx.errors.CGXError` subclass) from ``wait()``,
-bounds every wait by the group's timeout, and hands out the torch future that DDP
-and ``get_future()`` users chain on.
+Why a subclass of torch's Work and not ``_create_work_from_future``: in torch 2.13 a
+Work made from a future whose result is an exception still reports success
+(``is_success()`` is True) and its ``wait()`` returns normally, which would turn a
+lost peer into silently stale tensors. This class raises the engine's own exception
+(a :class:`~cgx_ucx.errors.CGXError` subclass) from ``wait()``, bounds every wait by
+the group's timeout, and hands out the torch future that DDP and ``get_future()``
+users chain on.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..errors import CGXTimeoutError
+from .futures import to_torch_future
 
 __all__ = ["CGXWork"]
+
+# The one place that names a torch internal. A Work written in Python must subclass
+# torch's C++ Work class (as torch's own Python ProcessGroup tests do): recent torch
+# exports it as ``torch.distributed.Work``, but not every release this package
+# supports (torch >= 2.4) does, and there it exists only as ``_Work``.
+_TorchWork: type = getattr(dist, "Work", None) or dist._Work  # noqa: SLF001
 
 
 def _seconds(timeout: Any) -> float | None:
@@ -31,7 +40,7 @@ def _seconds(timeout: Any) -> float | None:
     return secs if secs > 0 else None
 
 
-class CGXWork(dist._Work):
+class CGXWork(_TorchWork):
     """Handle of one collective in flight.
 
     ``wait(timeout)`` blocks until the collective completes, at most ``timeout`` (or
@@ -48,12 +57,31 @@ class CGXWork(dist._Work):
         self._done = threading.Event()
         self._exception: BaseException | None = None
 
-    def _attach(self, future: torch.futures.Future[Any]) -> None:
-        """Set the future that completes this work (right after construction)."""
+    @classmethod
+    def from_future(
+        cls,
+        what: str,
+        timeout: float,
+        source: concurrent.futures.Future[Any],
+        finish: Callable[[Any], Any],
+    ) -> CGXWork:
+        """The work of ``what`` completed by the engine future ``source``.
+
+        ``finish(result)`` runs on a completion thread and returns the work's result
+        (the output tensors); ``wait()`` waits at most ``timeout`` seconds by default.
+        """
+        work = cls(what, timeout)
+        work.attach(to_torch_future(source, finish, done=work.mark_done))
+        return work
+
+    def attach(self, future: torch.futures.Future[Any]) -> None:
+        """Set the torch future that :meth:`get_future` hands out (right after
+        construction, before anyone waits)."""
         self._future = future
 
-    # Called from a completion thread, after the future is completed.
-    def _mark_done(self, exc: BaseException | None) -> None:
+    def mark_done(self, exc: BaseException | None) -> None:
+        """Complete this work with the collective's error or None (called from a
+        completion thread, after the future is completed)."""
         self._exception = exc
         self._done.set()
 
