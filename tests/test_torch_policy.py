@@ -222,7 +222,7 @@ def _old_hook(state, bucket):
     cf = state.communicator.allreduce(
         as_array(buf), op="sum", layout=layout, stochastic=config.stochastic, seed=seed
     )
-    state._account(0, bucket.is_last())
+    state.record_sent(0, last=bucket.is_last())
     return to_torch_future(cf, lambda _: buf)
 
 

@@ -8,6 +8,9 @@ into the tensor (DESIGN.md: "tensors through DLPack / __cuda_array_interface__")
   ``ml_dtypes.bfloat16`` (same bytes).
 - CUDA: ``cupy.from_dlpack``; CuPy is imported only when a CUDA tensor is seen. The
   current stream is synchronized first (the engine works on its own stream).
+
+The view itself is :func:`cgx_ucx.arrays.torch_as_array`; this module adds what the
+torch layer checks first (dense, contiguous, a device and dtype the engine moves).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..arrays import torch_as_array
 from ..errors import ConfigError
 
 __all__ = [
@@ -63,21 +67,17 @@ def as_array(tensor: torch.Tensor) -> Any:
     if not tensor.is_contiguous():
         raise ConfigError("as_array needs a contiguous tensor (make a staging copy first)")
     t = tensor.detach()
+    if t.dtype.is_complex:
+        # Complex values are moved as their float pairs (broadcast/allgather only).
+        t = torch.view_as_real(t)
     if t.device.type == "cpu":
-        if t.dtype == torch.bfloat16:
-            import ml_dtypes
-
-            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-        if t.dtype.is_complex:
-            # Complex values are moved as their float pairs (broadcast/allgather only).
-            return torch.view_as_real(t).numpy()
         try:
-            return t.numpy()
+            return torch_as_array(t)  # bfloat16: the same bytes as ml_dtypes.bfloat16
         except TypeError as exc:
             raise ConfigError(f"dtype {t.dtype} has no NumPy equivalent") from exc
     if t.device.type == "cuda":
         try:
-            import cupy
+            import cupy  # noqa: F401 (torch_as_array imports it; a missing one is named here)
         except ImportError as exc:
             raise ConfigError("CUDA tensors need CuPy: pip install 'cgx_ucx[gpu]'") from exc
         if t.dtype == torch.bfloat16:
@@ -86,7 +86,5 @@ def as_array(tensor: torch.Tensor) -> Any:
         # The engine reads and writes the memory from its own thread and stream: the
         # kernels that produced it on torch's current stream must be done first.
         torch.cuda.current_stream(t.device).synchronize()
-        if t.dtype.is_complex:
-            return cupy.from_dlpack(torch.view_as_real(t))
-        return cupy.from_dlpack(t)
+        return torch_as_array(t)
     raise ConfigError(f"cgx_ucx supports CPU and CUDA tensors, got device {t.device}")

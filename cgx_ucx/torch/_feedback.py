@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..arrays import to_host
 from ..errors import ConfigError
 from ..layout import Layout
 from ._convert import as_array
@@ -44,8 +45,11 @@ class LayerFeedback:
     def apply(self, index: int, buf: torch.Tensor, layout: Layout) -> None:
         """Add each compressed layer's residual to ``buf`` in place; keep the new one.
 
-        An uncompressed layer that still holds a residual gets it added, once.
+        An uncompressed layer that still holds a residual gets it added, once; a
+        bucket with neither a compressed layer nor a residual is left as it is.
         """
+        if not layout.compressed and index not in self._buckets:
+            return
         from ..compression import decode, encode
 
         ef = self._ef
@@ -61,7 +65,7 @@ class LayerFeedback:
             layer = flat[spec.offset : spec.end]
             if not spec.compressed:
                 if old is not None:  # sent exactly from now on: flush the residual once
-                    layer.add_(torch.from_numpy(_host(old)).to(layer.device, layer.dtype))
+                    layer.add_(torch.from_numpy(to_host(old)).to(layer.device, layer.dtype))
                     ef.reset(key)
                     if not any(k[0] == index for k in ef.keys()):  # noqa: SIM118 (not iterable)
                         self._buckets.discard(index)
@@ -110,8 +114,3 @@ def split_state(
     if residuals and feedback is None:
         raise ConfigError("the state holds error-feedback residuals but error_feedback is off")
     return steps, residuals, policy_state
-
-
-def _host(a: Any) -> Any:
-    """A NumPy copy of a residual (CuPy arrays live on the GPU)."""
-    return a.get() if type(a).__module__.split(".", 1)[0] == "cupy" else a

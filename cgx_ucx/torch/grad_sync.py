@@ -14,7 +14,7 @@ How (numbered as in PyTorch's comm hooks):
    most ``bucket_cap_mb``, in reverse registration order (gradients of the last
    layers are ready first in backward), one dtype and device per bucket. Each bucket
    has a persistent flat buffer and a layer layout (1-D and small layers uncompressed,
-   as in :func:`~cgx_ucx.torch.hook.cgx_hook`).
+   :func:`~cgx_ucx.torch.layers.layer_layout`, as in :func:`~cgx_ucx.torch.hook.cgx_hook`).
 2. ``Tensor.register_post_accumulate_grad_hook`` on every parameter (public autograd
    API; nothing reaches into ``grad_fn``) copies the accumulated gradient into its
    bucket. When a bucket is full it is divided by the world size and its compressed
@@ -46,7 +46,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import threading
-import time
 from collections.abc import Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,15 +53,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..compression.policies import AutoPolicy, LayerStats, Policy
+from ..arrays import check_positive_int
+from ..compression.policies import LayerStats, Policy
 from ..config import CompressionConfig, resolve_comm, resolve_compression
 from ..errors import CGXTimeoutError, ConfigError
 from ..layout import Layout
 from ._convert import as_array
 from ._feedback import LayerFeedback, split_state
-from ._policy import DEFAULT_LOG_EVERY, PolicyRunner, check_policy_name, named_parameters
+from ._policy import DEFAULT_LOG_EVERY, PolicyRunner, check_policy_args, named_parameters
 from .backend import get_communicator
-from .hook import PAPER_DEFAULTS, layer_layout, wire_bytes
+from .layers import PAPER_DEFAULTS, bucket_seed, layer_layout, wire_bytes
+from .protocols import Communicator
 
 __all__ = ["GradientSync"]
 
@@ -105,7 +106,7 @@ class GradientSync:
         model_or_params: torch.nn.Module | Iterable[torch.nn.Parameter],
         *,
         process_group: dist.ProcessGroup | None = None,
-        communicator: Any = None,
+        communicator: Communicator | None = None,
         compression_params: Mapping[str, Any] | None = None,
         layer_min_size: int = 1024,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
@@ -124,21 +125,15 @@ class GradientSync:
             raise ConfigError("GradientSync got no parameters that require grad")
         if not bucket_cap_mb > 0:
             raise ConfigError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
-        if not isinstance(layer_min_size, int) or layer_min_size < 0:
-            raise ConfigError(f"layer_min_size must be an integer >= 0, got {layer_min_size!r}")
-
-        policy = check_policy_name(policy)
-        if policy == "static" and policy_params:
-            raise ConfigError("policy_params are for the adaptive policies; 'static' takes none")
-        if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 0:
-            raise ConfigError(f"log_every must be an integer >= 0, got {log_every!r}")
+        layer_min_size = check_positive_int(layer_min_size, "layer_min_size", 0)
+        policy, policy_params, log_every = check_policy_args(policy, policy_params, log_every)
 
         # -- tuned by the user
         self.compression_params = dict(compression_params or {})
         self.layer_min_size = layer_min_size
         self.error_feedback = bool(error_feedback)
         self.policy_name = policy
-        self.policy_params = dict(policy_params or {})
+        self.policy_params = policy_params
         self.log_every = log_every
         config = self.compression  # validate now
         # -- internal
@@ -163,7 +158,6 @@ class GradientSync:
         self._lock = threading.Lock()
         self._enabled = True
         self._next = 0  # index of the next bucket to start
-        self._last_sync: float | None = None
         self._buckets = self._make_buckets(params, int(bucket_cap_mb * 1024 * 1024), config)
         self._slot: dict[int, tuple[_Bucket, int]] = {}
         for b in self._buckets:
@@ -282,12 +276,14 @@ class GradientSync:
             ]
             self._runner.observe(self.steps, views, bucket.indices)
         buf.div_(self.world_size)
-        fb = self._feedback
-        if fb is not None and (bucket.layout.compressed or fb.holds(bucket.index)):
-            fb.apply(bucket.index, buf, bucket.layout)
-        seed = (config.seed + (self.steps << 20) + bucket.index) % (1 << 64)
+        if self._feedback is not None:
+            self._feedback.apply(bucket.index, buf, bucket.layout)
         bucket.future = self.communicator.allreduce(
-            as_array(buf), op="sum", layout=bucket.layout, stochastic=config.stochastic, seed=seed
+            as_array(buf),
+            op="sum",
+            layout=bucket.layout,
+            stochastic=config.stochastic,
+            seed=bucket_seed(config, self.steps, bucket.index),
         )
         self._step_bytes += wire_bytes(bucket.layout, buf.element_size(), self.world_size)
 
@@ -341,12 +337,7 @@ class GradientSync:
     def _agree(self) -> None:
         """The policy's agreement for step ``steps`` (collective at decision steps) and
         the buckets' layouts from its assignment."""
-        now = time.perf_counter()
-        policy = self._runner.policy
-        if self._last_sync is not None and isinstance(policy, AutoPolicy):
-            policy.record_step_time(now - self._last_sync)
-        self._last_sync = now
-        self._runner.agree(self.steps)
+        self._runner.step_started(self.steps)
         self._relayout()
 
     def _relayout(self) -> None:

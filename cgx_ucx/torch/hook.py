@@ -6,26 +6,31 @@ the allreduce (DESIGN.md, data path step 2), so DDP's bucket rebuild after the f
 iteration, and any other all_reduce in the same job, compressed or not, cannot
 confuse it (torch_cgx issue #5).
 
-Algorithm of one call (``cgx_hook(state, bucket)``):
+Algorithm of one call (``cgx_hook(state, bucket)``), each step one public method of
+:class:`CGXState` (the state holds the fields, the hook the algorithm, as PyTorch's own
+hooks):
 
-1. First call of a step, with a policy: ``auto`` records the time since the previous
-   step's first call; then every rank runs the policy's agreement
-   (:func:`~cgx_ucx.compression.adaptive.agree_sync`), which communicates only at the
-   policy's decision steps. Every rank does it before its first bucket's allreduce, so
-   the collectives pair up in the same order everywhere.
-2. Layout: one layer per gradient in the bucket. ``policy="static"`` (the default):
-   1-D tensors (biases, norms) and layers under ``max(layer_min_size, minimal_size)``
-   values go uncompressed (CGX paper, section 4: they are a small share of the bytes
-   and sensitive), the rest at ``compression_params``. An adaptive policy gives each
-   layer its bits and bucket size (``policy.layout`` of the bucket's layer indices),
-   after seeing this rank's gradients (``policy.observe``, which works only on the
-   steps before a decision and on logging steps).
+1. ``state.maybe_start_step()``: the first call of a step, with a policy: ``auto``
+   records the time since the previous step's first call; then every rank runs the
+   policy's agreement, which communicates only at the policy's decision steps. Every
+   rank does it before its first bucket's allreduce, so the collectives pair up in the
+   same order everywhere.
+2. ``state.bucket_layout(...)``: one layer per gradient in the bucket.
+   ``policy="static"`` (the default): the paper's rule
+   (:func:`~cgx_ucx.torch.layers.layer_layout`: 1-D and small layers go uncompressed),
+   the rest at ``compression_params``. An adaptive policy gives each layer its bits and
+   bucket size, after seeing this rank's gradients (``policy.observe``, which works
+   only on the steps before a decision and on logging steps). The last bucket of a step
+   then calls ``state.end_step()``.
 3. Divide the bucket by the world size (as PyTorch's allreduce_hook, so fp16 sums do
    not overflow).
-4. With error feedback: add each compressed layer's residual from the previous step
-   and keep the new residual ``c - decode(encode(c))`` of what is sent.
+4. ``state.apply_error_feedback(...)``: with error feedback, add each compressed
+   layer's residual from the previous step and keep the new residual
+   ``c - decode(encode(c))`` of what is sent.
 5. Submit the compressed allreduce (SUM) to the engine and return a torch future at
    once: backward goes on while the bucket travels.
+6. ``state.record_sent(...)``: the stats, from the layout
+   (:func:`~cgx_ucx.torch.layers.wire_bytes`).
 """
 
 # No ``from __future__ import annotations`` here: DDP's register_comm_hook compares the
@@ -38,52 +43,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..arrays import check_positive_int
 from ..compression.policies import LayerStats, Policy
 from ..config import CompressionConfig, resolve_comm, resolve_compression
 from ..errors import ConfigError
 from ..layout import Layout
-from ._convert import as_array, is_float
+from ._convert import as_array
 from ._feedback import LayerFeedback, split_state
-from ._policy import DEFAULT_LOG_EVERY, PolicyRunner, check_policy_name, named_parameters
+from ._policy import DEFAULT_LOG_EVERY, PolicyRunner, check_policy_args, named_parameters
 from .backend import get_communicator
 from .futures import to_torch_future
+from .layers import PAPER_DEFAULTS, bucket_seed, layer_layout, wire_bytes
+from .protocols import Communicator
 
+# layer_layout and wire_bytes live in .layers; re-exported here where users found them.
 __all__ = ["CGXState", "cgx_hook", "layer_layout", "wire_bytes"]
-
-#: The paper's defaults (CGX, section 5): 4 bits, buckets of 1024 values.
-PAPER_DEFAULTS = CompressionConfig(bits=4, bucket_size=1024)
-
-
-def layer_layout(
-    tensors: Sequence[torch.Tensor], config: CompressionConfig, layer_min_size: int
-) -> Layout:
-    """Layout of a flat buffer holding ``tensors`` back to back.
-
-    A tensor is compressed when compression is on, it is floating point, it has more
-    than one dimension and at least ``max(layer_min_size, config.minimal_size)`` values.
-    """
-    threshold = max(layer_min_size, config.minimal_size)
-    compressible = [
-        is_float(t) and t.dim() > 1 and t.numel() >= threshold and config.enabled for t in tensors
-    ]
-    return Layout.from_sizes([t.numel() for t in tensors], config, compressible=compressible)
-
-
-def wire_bytes(layout: Layout, itemsize: int, world_size: int) -> int:
-    """Payload bytes one rank sends in a scatter-reduce-allgather of ``layout``.
-
-    Each rank sends (world-1)/world of the buffer in each of the two phases; a
-    compressed layer costs 8 bytes of meta per bucket plus ``ceil(n*bits/8)`` code
-    bytes (DESIGN.md, wire format), an uncompressed one ``n * itemsize``. Headers are
-    left out (they are constant per message, not per value).
-    """
-    total = 0
-    for spec in layout:
-        if spec.compressed:
-            total += 8 * -(-spec.numel // spec.bucket_size) + (spec.numel * spec.bits + 7) // 8
-        else:
-            total += spec.numel * itemsize
-    return 2 * total * (world_size - 1) // max(world_size, 1)
 
 
 class CGXState:
@@ -123,7 +97,10 @@ class CGXState:
             steps and log the assignment at INFO (logger ``cgx_ucx.adaptive``; nothing
             is formatted unless INFO is enabled). 0 turns both off.
 
-    Internal: the communicator, the policy, per-bucket residuals.
+    Internal: the communicator, the policy, per-bucket residuals. :func:`cgx_hook`
+    drives them through the per-call methods (:attr:`call_compression`,
+    :meth:`maybe_start_step`, :meth:`bucket_layout`, :meth:`end_step`,
+    :meth:`apply_error_feedback`, :meth:`record_sent`); a custom hook may too.
 
     Stats: ``steps`` (DDP iterations seen), ``bytes_sent`` (payload bytes this rank
     sent through the hook, all steps), ``bytes_per_step`` (of the last full step);
@@ -139,7 +116,7 @@ class CGXState:
         compression_params: Mapping[str, Any] | None = None,
         *,
         error_feedback: bool = False,
-        communicator: Any = None,
+        communicator: Communicator | None = None,
         policy: str = "static",
         policy_params: Mapping[str, Any] | None = None,
         model: Any = None,
@@ -149,18 +126,12 @@ class CGXState:
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         if self.process_group is None:
             raise ConfigError("CGXState needs torch.distributed initialized or a process_group")
-        if not isinstance(layer_min_size, int) or layer_min_size < 0:
-            raise ConfigError(f"layer_min_size must be an integer >= 0, got {layer_min_size!r}")
-        self.layer_min_size = layer_min_size
+        self.layer_min_size = check_positive_int(layer_min_size, "layer_min_size", 0)
         self.compression_params = dict(compression_params or {})
         self.error_feedback = bool(error_feedback)
-        self.policy_name = check_policy_name(policy)
-        self.policy_params = dict(policy_params or {})
-        if self.policy_name == "static" and self.policy_params:
-            raise ConfigError("policy_params are for the adaptive policies; 'static' takes none")
-        if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 0:
-            raise ConfigError(f"log_every must be an integer >= 0, got {log_every!r}")
-        self.log_every = log_every
+        self.policy_name, self.policy_params, self.log_every = check_policy_args(
+            policy, policy_params, log_every
+        )
         config = self.compression  # validates compression_params now, not at the first backward
         named = named_parameters(model) if model is not None else None
         if self.policy_name != "static" and not named:
@@ -254,20 +225,48 @@ class CGXState:
             self._feedback.load_state_dict(residuals)
         self.steps = steps
 
-    # -- per call -------------------------------------------------------------------------
-    def _layout(self, bucket: dist.GradBucket, config: CompressionConfig) -> Layout:
-        """Step start (agreement), observation and the layout of ``bucket``."""
+    # -- per call (the steps of cgx_hook) ---------------------------------------------------
+    @property
+    def call_compression(self) -> CompressionConfig:
+        """The configuration of the next bucket: :attr:`compression` with ``"static"``
+        (re-read at each call), else the adaptive policy's (resolved at construction)."""
         runner = self._runner
-        if not self._in_step:
-            self._in_step = True
-            if runner is not None:
-                runner.step_started(self.steps)
-        grads = bucket.gradients()
+        if self.policy_name == "static" or runner is None:
+            return self.compression
+        return runner.config
+
+    def maybe_start_step(self) -> None:
+        """Mark a bucket of the current step; the first one of a step starts the step.
+
+        A policy then records the step time (``auto``) and runs its agreement, a
+        collective at decision steps: every rank does it before its first bucket's
+        allreduce, so the collectives pair up in the same order everywhere.
+        """
+        if self._in_step:
+            return
+        self._in_step = True
+        if self._runner is not None:
+            self._runner.step_started(self.steps)
+
+    def bucket_layout(
+        self,
+        params: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+        config: CompressionConfig,
+    ) -> Layout:
+        """Layout of a bucket holding ``grads`` (of ``params``, in buffer order).
+
+        ``"static"``: the paper's rule under ``config`` (:func:`layer_layout`). An
+        adaptive policy first sees this rank's gradients (``policy.observe``: work only
+        on the steps before a decision and on logging steps), then assigns each layer's
+        bits and bucket size.
+        """
+        runner = self._runner
         if runner is None:
             if self._discovered is not None:
-                self._discovered.extend(bucket.parameters())
+                self._discovered.extend(params)
             return layer_layout(grads, config, self.layer_min_size)
-        indices = runner.indices(bucket.parameters())
+        indices = runner.indices(params)
         runner.observe(self.steps, grads, indices)
         if self.policy_name == "static":
             # The paper's rule, re-read at each call: bit for bit the hook without a policy.
@@ -276,7 +275,12 @@ class CGXState:
             return layer_layout(grads, config, self.layer_min_size)
         return runner.layout(indices)
 
-    def _end_step(self) -> None:
+    def end_step(self) -> None:
+        """The last bucket of a step has its layout: the next bucket starts a new step.
+
+        ``"static"`` without ``model=`` now knows every parameter (those of this step's
+        buckets) and names its layers after them.
+        """
         self._in_step = False
         if self._discovered is not None:
             params, self._discovered = self._discovered, None
@@ -284,8 +288,14 @@ class CGXState:
             if named:
                 self._runner = self._make_runner(named, self.compression)
 
-    # -- accounting ------------------------------------------------------------------------
-    def _account(self, nbytes: int, last: bool) -> None:
+    def apply_error_feedback(self, index: int, buf: torch.Tensor, layout: Layout) -> None:
+        """With ``error_feedback``: add bucket ``index``'s residuals to ``buf`` in place
+        and keep the new ones (nothing without error feedback)."""
+        if self._feedback is not None:
+            self._feedback.apply(index, buf, layout)
+
+    def record_sent(self, nbytes: int, *, last: bool) -> None:
+        """Count ``nbytes`` sent for one bucket; the ``last`` bucket ends the step."""
         with self._lock:
             self.bytes_sent += nbytes
             self._step_bytes += nbytes
@@ -302,12 +312,12 @@ class CGXState:
         )
 
 
-def _timeout_of(communicator: Any) -> float:
-    """The communicator's per-wait deadline (CommConfig.timeout), for the agreement."""
-    try:
-        return float(communicator.comm.config.timeout)
-    except AttributeError:
-        return resolve_comm().timeout
+def _timeout_of(communicator: Communicator) -> float:
+    """The communicator's per-wait deadline (CommConfig.timeout), for the agreement; a
+    communicator without one (a test double) gets the configured default."""
+    config = getattr(getattr(communicator, "comm", None), "config", None)
+    timeout = getattr(config, "timeout", None)
+    return float(timeout) if timeout is not None else resolve_comm().timeout
 
 
 def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -318,22 +328,33 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
     call of a step may block: at the policy's decision steps, every rank agrees on the
     new assignment (a small allreduce and broadcast, plus ``auto``'s link probe) before
     the step's first bucket is sent.
+
+    The steps are those of the module docstring.
     """
     buf = bucket.buffer()
-    config = state.compression if state.policy_name == "static" else state._runner.config
+    index = bucket.index()
     last = bucket.is_last()
+    config = state.call_compression
     try:
-        layout = state._layout(bucket, config)
+        # 1. The first bucket of a step starts it (the policy's agreement).
+        state.maybe_start_step()
+        # 2. The bucket's layer layout, built from its gradients at every call.
+        layout = state.bucket_layout(bucket.parameters(), bucket.gradients(), config)
     finally:
         if last:
-            state._end_step()
+            state.end_step()
+    # 3. Average, not sum: divide first, as PyTorch's allreduce_hook (fp16 sums).
     buf.div_(state.world_size)
-    if state._feedback is not None and (layout.compressed or state._feedback.holds(bucket.index())):
-        state._feedback.apply(bucket.index(), buf, layout)
-    # A different stochastic-rounding seed for every step and bucket (codec contract).
-    seed = (config.seed + (state.steps << 20) + bucket.index()) % (1 << 64)
+    # 4. Error feedback: add the residuals, keep the new ones.
+    state.apply_error_feedback(index, buf, layout)
+    # 5. Submit the compressed allreduce; backward goes on while the bucket travels.
     cf = state.communicator.allreduce(
-        as_array(buf), op="sum", layout=layout, stochastic=config.stochastic, seed=seed
+        as_array(buf),
+        op="sum",
+        layout=layout,
+        stochastic=config.stochastic,
+        seed=bucket_seed(config, state.steps, index),
     )
-    state._account(wire_bytes(layout, buf.element_size(), state.world_size), last)
+    # 6. Stats (the last bucket ends the step).
+    state.record_sent(wire_bytes(layout, buf.element_size(), state.world_size), last=last)
     return to_torch_future(cf, lambda _: buf)

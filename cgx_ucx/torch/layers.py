@@ -1,0 +1,92 @@
+"""Layers of a flat gradient buffer: which are compressed, what they cost on the wire.
+
+Shared by the DDP hook (:func:`~cgx_ucx.torch.hook.cgx_hook`) and
+:class:`~cgx_ucx.torch.grad_sync.GradientSync`, so that both send a model the same way:
+
+1. One layer per gradient tensor, back to back in the buffer (DDP's bucket order, or
+   GradientSync's).
+2. The paper's rule (CGX, section 4) decides which layers are quantized: floating
+   point (the codec's dtypes), more than one dimension, and at least
+   ``max(layer_min_size, config.minimal_size)`` values. 1-D tensors (biases, norms) and
+   small layers are a small share of the bytes and the most sensitive to error, so they
+   go exact. The adaptive policies apply the same rule to their candidates.
+3. The bytes a rank sends for one buffer come from the codec's own segment length
+   (:func:`cgx_ucx.compression.encoded_nbytes`), the one formula of the wire size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..compression import HEADER_NBYTES, encoded_nbytes
+from ..config import CompressionConfig
+from ..layout import LayerSpec, Layout
+from ._convert import is_float
+
+__all__ = [
+    "PAPER_DEFAULTS",
+    "bucket_seed",
+    "compressible",
+    "layer_layout",
+    "layer_wire_bytes",
+    "wire_bytes",
+]
+
+#: The paper's defaults (CGX, section 5): 4 bits, buckets of 1024 values.
+PAPER_DEFAULTS = CompressionConfig(bits=4, bucket_size=1024)
+
+#: Stochastic-rounding seeds of one step are spread over this many bucket indices.
+_SEED_STEP_SHIFT = 20
+
+
+def compressible(tensor: torch.Tensor, config: CompressionConfig, layer_min_size: int) -> bool:
+    """True when the layer ``tensor`` is quantized under ``config`` (the paper's rule)."""
+    threshold = max(layer_min_size, config.minimal_size)
+    return config.enabled and is_float(tensor) and tensor.dim() > 1 and tensor.numel() >= threshold
+
+
+def layer_layout(
+    tensors: Sequence[torch.Tensor], config: CompressionConfig, layer_min_size: int
+) -> Layout:
+    """Layout of a flat buffer holding ``tensors`` back to back.
+
+    A tensor is compressed when compression is on, it is floating point, it has more
+    than one dimension and at least ``max(layer_min_size, config.minimal_size)`` values
+    (:func:`compressible`).
+    """
+    return Layout.from_sizes(
+        [t.numel() for t in tensors],
+        config,
+        compressible=[compressible(t, config, layer_min_size) for t in tensors],
+    )
+
+
+def layer_wire_bytes(spec: LayerSpec, itemsize: int) -> int:
+    """Payload bytes of one copy of the layer ``spec``, frame and codec headers left out.
+
+    Compressed: the codec's segment (8 bytes of meta per bucket plus
+    ``ceil(n * bits / 8)`` code bytes, DESIGN.md wire format) without its header.
+    Uncompressed layers travel as their raw values, of any dtype: ``n * itemsize``.
+    """
+    if not spec.compressed:
+        return spec.numel * itemsize
+    return encoded_nbytes(spec.numel, spec.bits, spec.bucket_size) - HEADER_NBYTES
+
+
+def wire_bytes(layout: Layout, itemsize: int, world_size: int) -> int:
+    """Payload bytes one rank sends in a scatter-reduce-allgather of ``layout``.
+
+    Each rank sends (world-1)/world of the buffer in each of the two phases, each layer
+    costing :func:`layer_wire_bytes`. Headers are left out (they are constant per
+    message, not per value).
+    """
+    total = sum(layer_wire_bytes(spec, itemsize) for spec in layout)
+    return 2 * total * (world_size - 1) // max(world_size, 1)
+
+
+def bucket_seed(config: CompressionConfig, step: int, index: int) -> int:
+    """The stochastic-rounding seed of bucket ``index`` at ``step``: a different one for
+    every step and bucket (the codec's contract), the same on every rank."""
+    return (config.seed + (step << _SEED_STEP_SHIFT) + index) % (1 << 64)
