@@ -443,12 +443,8 @@ def _load_data(seed: int) -> tuple[Any, Any, Any, Any]:
 
 
 def _make_policy(name: str, params: list[tuple[str, Any]], comm: Any, args: argparse.Namespace):
-    from cgx_ucx.compression.adaptive import (
-        Schedule,
-        layers_from_parameters,
-        make_link_probe,
-        make_policy,
-    )
+    from cgx_ucx.agreement import make_link_probe
+    from cgx_ucx.compression.policies import Schedule, layers_from_parameters, make_policy
 
     layers = layers_from_parameters(params)
     sched = Schedule(args.warmup, args.interval, args.window)
@@ -473,7 +469,8 @@ def _train_one(name: str, comm: Any, data: Any, args: argparse.Namespace) -> dic
     import torch.nn as nn
     import torch.nn.functional as F
 
-    from cgx_ucx.compression.adaptive import AutoPolicy, agree_sync
+    from cgx_ucx.agreement import agree_sync
+    from cgx_ucx.compression.policies import AutoPolicy
     from cgx_ucx.layout import Layout
 
     xtr, ytr, xte, yte = data
