@@ -14,7 +14,8 @@ import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from .config import NO_COMPRESSION_BITS, VALID_BITS, CompressionConfig
+from .arrays import check_bits, check_positive_int
+from .config import NO_COMPRESSION_BITS, CompressionConfig
 from .errors import ConfigError
 
 __all__ = ["LayerSpec", "Layout"]
@@ -36,12 +37,11 @@ class LayerSpec:
     bucket_size: int = 1024
 
     def __post_init__(self) -> None:
-        if self.offset < 0 or self.numel < 0:
-            raise ConfigError(f"layer offset/numel must be >= 0, got {self.offset}/{self.numel}")
-        if self.bits not in VALID_BITS:
-            raise ConfigError(f"layer bits must be 1..8 or 32, got {self.bits!r}")
-        if self.bucket_size < 1:
-            raise ConfigError(f"layer bucket_size must be >= 1, got {self.bucket_size!r}")
+        # integers only: the digest packs them as u64/u32 (a float would fail there, late)
+        check_positive_int(self.offset, "layer offset", 0)
+        check_positive_int(self.numel, "layer numel", 0)
+        check_bits(self.bits, "layer bits")
+        check_positive_int(self.bucket_size, "layer bucket_size")
 
     @property
     def end(self) -> int:

@@ -57,10 +57,20 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
-from ..errors import CodecError, ConfigError
+from ..arrays import (
+    BFLOAT16,
+    NO_COMPRESSION_BITS,
+    as_uint8_buffer,
+    check_bits,
+    check_positive_int,
+    check_seed,
+    is_array,
+    is_cupy,
+    is_float_dtype,
+)
+from ..errors import CodecError
 
 __all__ = [
     "HEADER_NBYTES",
@@ -79,7 +89,7 @@ __all__ = [
 MAGIC = b"CGXQ"
 VERSION = 1
 #: bits value of an uncompressed (RAW) segment: torch_cgx's "32 = no compression".
-RAW_BITS = 32
+RAW_BITS = NO_COMPRESSION_BITS
 _HEADER = struct.Struct("<4sBBBBIQI")
 HEADER_NBYTES: int = _HEADER.size
 assert HEADER_NBYTES == 24
@@ -90,8 +100,8 @@ FLAG_STOCHASTIC = 1
 _KNOWN_FLAGS = FLAG_STOCHASTIC
 #: Largest bucket the u32 header field holds.
 MAX_BUCKET_SIZE = 2**32 - 1
+_BUCKET_LIMIT = MAX_BUCKET_SIZE + 1
 
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 _DTYPE_CODES: dict[np.dtype, int] = {
     np.dtype(np.float32): 0,
     np.dtype(np.float16): 1,
@@ -149,24 +159,6 @@ class CodecHeader:
         )
 
 
-def _check_bits(bits: Any) -> int:
-    if isinstance(bits, bool) or not isinstance(bits, int | np.integer):
-        raise ConfigError(f"bits must be an integer 1..8 or 32, got {bits!r}")
-    bits = int(bits)
-    if not (1 <= bits <= 8 or bits == RAW_BITS):
-        raise ConfigError(f"bits must be 1..8 or 32 (no compression), got {bits}")
-    return bits
-
-
-def _check_bucket_size(bucket_size: Any) -> int:
-    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int | np.integer):
-        raise ConfigError(f"bucket_size must be an integer >= 1, got {bucket_size!r}")
-    bucket_size = int(bucket_size)
-    if not 1 <= bucket_size <= MAX_BUCKET_SIZE:
-        raise ConfigError(f"bucket_size must be in [1, 2**32), got {bucket_size}")
-    return bucket_size
-
-
 def _value_dtype(dtype: Any) -> np.dtype:
     try:
         dt = np.dtype(dtype)
@@ -183,11 +175,9 @@ def encoded_nbytes(numel: int, bits: int, bucket_size: int, dtype: Any = np.floa
     Quantized: header + 8 bytes of meta per bucket + ``ceil(numel * bits / 8)`` code bytes.
     RAW (``bits == 32``): header + ``numel * itemsize(dtype)``.
     """
-    bits = _check_bits(bits)
-    bucket_size = _check_bucket_size(bucket_size)
-    if isinstance(numel, bool) or not isinstance(numel, int | np.integer) or numel < 0:
-        raise CodecError(f"numel must be an integer >= 0, got {numel!r}")
-    numel = int(numel)
+    bits = check_bits(bits)
+    bucket_size = check_positive_int(bucket_size, "bucket_size", limit=_BUCKET_LIMIT)
+    numel = check_positive_int(numel, "numel", 0, error=CodecError)
     if bits == RAW_BITS:
         return HEADER_NBYTES + numel * _value_dtype(dtype).itemsize
     nbuckets = -(-numel // bucket_size)
@@ -198,13 +188,9 @@ def encoded_nbytes(numel: int, bits: int, bucket_size: int, dtype: Any = np.floa
 # array kinds
 
 
-def _is_cupy(a: Any) -> bool:
-    return type(a).__module__.split(".", 1)[0] == "cupy"
-
-
 def backend_name(x: Any) -> str:
     """``"cupy"`` for CuPy arrays, ``"numba"`` for everything on the host."""
-    return "cupy" if _is_cupy(x) else "numba"
+    return "cupy" if is_cupy(x) else "numba"
 
 
 _BACKENDS: dict[str, ModuleType] = {}
@@ -221,25 +207,9 @@ def _backend(name: str) -> ModuleType:
 
 
 def _host_header_bytes(buf: Any) -> bytes:
-    if _is_cupy(buf):
+    if is_cupy(buf):
         return bytes(buf[:HEADER_NBYTES].get())
     return buf[:HEADER_NBYTES].tobytes()
-
-
-def _as_buffer(buf: Any) -> Any:
-    """A 1-D contiguous uint8 view of ``buf`` (NumPy/CuPy array or bytes-like)."""
-    if _is_cupy(buf) or isinstance(buf, np.ndarray):
-        if buf.dtype != np.uint8 or buf.ndim != 1:
-            raise CodecError(
-                f"an encoded buffer is a 1-D uint8 array, got {buf.dtype} with shape {buf.shape}"
-            )
-        if not buf.flags.c_contiguous:
-            raise CodecError("an encoded buffer must be contiguous")
-        return buf
-    try:
-        return np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
-    except (TypeError, ValueError) as exc:
-        raise CodecError(f"not a buffer: {type(buf).__name__}") from exc
 
 
 # ---------------------------------------------------------------------------------------
@@ -253,7 +223,7 @@ def read_header(buf: Any) -> CodecHeader:
     bucket size and reserved field are valid and ``len(buf)`` equals the exact encoded
     length the header implies.
     """
-    buf = _as_buffer(buf)
+    buf = as_uint8_buffer(buf)
     n = int(buf.shape[0])
     if n < HEADER_NBYTES:
         raise CodecError(f"truncated: {n} bytes, a header alone is {HEADER_NBYTES}")
@@ -287,7 +257,7 @@ def read_header(buf: Any) -> CodecHeader:
 
 
 def _check_values(x: Any) -> np.dtype:
-    if not (_is_cupy(x) or isinstance(x, np.ndarray)):
+    if not is_array(x):
         raise CodecError(f"encode takes a NumPy or CuPy array, got {type(x).__name__}")
     dt = _value_dtype(x.dtype)
     if x.ndim != 1 or not x.flags.c_contiguous:
@@ -296,22 +266,18 @@ def _check_values(x: Any) -> np.dtype:
 
 
 def _same_kind(a: Any, b: Any, what: str) -> None:
-    if _is_cupy(a) != _is_cupy(b):
+    if is_cupy(a) != is_cupy(b):
         raise CodecError(f"{what} must be on the same device as the encoded buffer")
-    if _is_cupy(a):
+    if is_cupy(a):
         if a.device.id != b.device.id:
             raise CodecError(f"{what} is on device {b.device.id}, the buffer on {a.device.id}")
     elif not isinstance(b, np.ndarray):
         raise CodecError(f"{what} must be a NumPy array, got {type(b).__name__}")
 
 
-def _is_float_dtype(dt: np.dtype) -> bool:
-    return dt == BFLOAT16 or (dt.kind == "f")
-
-
 def _check_out(out: Any, numel: int, buf: Any, what: str = "out") -> None:
     _same_kind(buf, out, what)
-    if not _is_float_dtype(out.dtype):
+    if not is_float_dtype(out.dtype):
         raise CodecError(f"{what} must have a float dtype, got {out.dtype}")
     if out.ndim != 1 or not out.flags.c_contiguous:
         raise CodecError(f"{what} must be 1-D contiguous, got shape {out.shape}")
@@ -337,13 +303,9 @@ def encode_with(
 ) -> Any:
     """:func:`encode` through a given backend module (used by :mod:`.reference`)."""
     dt = _check_values(x)
-    bits = _check_bits(bits)
-    bucket_size = _check_bucket_size(bucket_size)
-    if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
-        raise ConfigError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-    seed = int(seed)
-    if not 0 <= seed < 2**64:
-        raise ConfigError(f"seed must be an integer in [0, 2**64), got {seed}")
+    bits = check_bits(bits)
+    bucket_size = check_positive_int(bucket_size, "bucket_size", limit=_BUCKET_LIMIT)
+    seed = check_seed(seed)
     numel = int(x.shape[0])
     stochastic = bool(stochastic) and bits != RAW_BITS
     hdr = CodecHeader(bits, bucket_size, numel, dt, stochastic)
@@ -351,7 +313,7 @@ def encode_with(
     if out is None:
         buf = backend.empty_bytes(nbytes, like=x)
     else:
-        if not (_is_cupy(out) or isinstance(out, np.ndarray)):
+        if not is_array(out):
             raise CodecError(f"out must be a uint8 array, got {type(out).__name__}")
         _same_kind(x, out, "out")
         if out.dtype != np.uint8 or out.ndim != 1 or not out.flags.c_contiguous:
@@ -365,7 +327,7 @@ def encode_with(
 
 def decode_with(backend: ModuleType, buf: Any, out: Any = None) -> Any:
     """:func:`decode` through a given backend module (used by :mod:`.reference`)."""
-    buf = _as_buffer(buf)
+    buf = as_uint8_buffer(buf)
     hdr = read_header(buf)
     if out is None:
         out = backend.empty_values(hdr.numel, hdr.dtype, like=buf)
@@ -378,7 +340,7 @@ def decode_with(backend: ModuleType, buf: Any, out: Any = None) -> Any:
 
 def decode_add_with(backend: ModuleType, buf: Any, acc: Any) -> Any:
     """:func:`decode_add` through a given backend module (used by :mod:`.reference`)."""
-    buf = _as_buffer(buf)
+    buf = as_uint8_buffer(buf)
     hdr = read_header(buf)
     _check_out(acc, hdr.numel, buf, "acc")
     if acc.dtype != np.float32:
@@ -389,7 +351,7 @@ def decode_add_with(backend: ModuleType, buf: Any, acc: Any) -> Any:
 
 
 def _backend_for(a: Any) -> ModuleType:
-    return _backend("cupy" if _is_cupy(a) else "numba")
+    return _backend("cupy" if is_cupy(a) else "numba")
 
 
 def encode(
@@ -421,7 +383,7 @@ def decode(buf: Any, out: Any = None) -> Any:
     must hold exactly ``numel`` values on the buffer's device. NumPy in, NumPy out; CuPy
     in, CuPy out.
     """
-    buf = _as_buffer(buf)
+    buf = as_uint8_buffer(buf)
     return decode_with(_backend_for(buf), buf, out)
 
 
@@ -430,5 +392,5 @@ def decode_add(buf: Any, acc: Any) -> Any:
 
     This is the reduction step of the scatter-reduce allreduce. Returns ``acc``.
     """
-    buf = _as_buffer(buf)
+    buf = as_uint8_buffer(buf)
     return decode_add_with(_backend_for(buf), buf, acc)

@@ -31,8 +31,8 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from ..errors import ConfigError
-from .codec import BFLOAT16, HEADER_NBYTES, CodecHeader
+from ..arrays import BFLOAT16, check_positive_int
+from .codec import HEADER_NBYTES, CodecHeader
 from .reference import GOLDEN, MIX1, MIX2, U_SHIFT, empty_bytes, empty_values, seed_key
 
 __all__ = [
@@ -47,8 +47,8 @@ __all__ = [
 ]
 
 #: Below this many values a call stays on the calling thread: handing batches to a helper
-#: thread costs 20-40 us here (submit, wake-up, GIL hand-off), 256 Ki values take about
-#: 70 us on one core (float32, 4 bits, B=1024, measured on this 2-core machine).
+#: thread (submit, wake-up, GIL hand-off) costs about as much as encoding this many values
+#: on one core, so smaller calls gain nothing from helpers (measured, not guessed).
 PARALLEL_MIN_NUMEL = 1 << 18
 
 _GOLDEN = np.uint64(GOLDEN)
@@ -396,12 +396,12 @@ def _chunking(hdr: CodecHeader) -> tuple[int, int]:
 # shared cursor and run the GIL-free kernels on them. Not Numba's prange: a prange region
 # ends in a barrier that waits for every OpenMP thread, and on a host shared with busy
 # processes a thread that is not scheduled stalls each call by scheduler time slices
-# (measured here under load 5-8: a 1 MiB encode went from 40 us to 24 ms). Here a helper
+# (small encodes became orders of magnitude slower on a loaded host). Here a helper
 # that has not started yet finds the work done and touches nothing, so the caller waits at
 # most for batches already running. GNU OpenMP is also not fork-safe; plain threads are.
 
-#: Values per batch: 128 Ki values are about 10-30 us of work on one core here, so the
-#: cursor (a lock and a Numba call per batch, ~5 us) costs a few percent.
+#: Values per batch: enough work on one core that the cursor (a lock and a Numba call per
+#: batch) costs a few percent of it, while batches stay small enough to share evenly.
 BATCH_VALUES = 1 << 17
 
 _threads: int | None = None  # set_num_threads(); None: every core this process may use
@@ -425,9 +425,7 @@ def set_num_threads(n: int | None) -> None:
     on the calling thread.
     """
     global _threads
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise ConfigError(f"codec threads must be an integer >= 1, got {n!r}")
-    _threads = n
+    _threads = None if n is None else check_positive_int(n, "codec threads")
 
 
 def num_threads() -> int:
@@ -590,10 +588,9 @@ def decode_add_into(buf: np.ndarray, hdr: CodecHeader, acc: np.ndarray) -> None:
 def warmup(dtypes: tuple[Any, ...] = (np.float32,)) -> None:
     """Compile (or load from Numba's disk cache) the kernels the collectives use.
 
-    Call it once before spawning workers or timing: a cold compile of one kernel takes
-    seconds on this 2-core machine, a cache load a fraction of a second. Covers encode,
-    decode_add and decode for ``dtypes`` (the same kernels serve serial and parallel
-    calls, and both roundings).
+    Call it once before spawning workers or timing: a cold compile takes seconds, a load
+    from the disk cache much less. Covers encode, decode_add and decode for ``dtypes``
+    (the same kernels serve serial and parallel calls, and both roundings).
     """
     for n in (8,):
         for dt in dtypes:

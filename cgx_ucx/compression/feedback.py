@@ -23,18 +23,11 @@ from typing import Any
 
 import numpy as np
 
+from ..arrays import is_cupy, to_host, xp_of
 from ..errors import CodecError
 from . import codec
 
 __all__ = ["ErrorFeedback"]
-
-
-def _xp(a: Any) -> Any:
-    if codec._is_cupy(a):
-        import cupy
-
-        return cupy
-    return np
 
 
 class ErrorFeedback:
@@ -69,11 +62,11 @@ class ErrorFeedback:
                 f"error feedback key {key!r} holds {res.shape[0]} values, got {x.shape[0]};"
                 " call reset(key) when a buffer's layout changes"
             )
-        xp = _xp(x)
-        if xp is not np and not codec._is_cupy(res):  # loaded from a state dict
+        xp = xp_of(x)
+        if xp is not np and not is_cupy(res):  # loaded from a state dict
             res = xp.asarray(res)
             self._residual[key] = res
-        elif xp is np and codec._is_cupy(res):
+        elif xp is np and is_cupy(res):
             raise CodecError(f"residual of {key!r} is on a GPU, the values on the host")
         return res
 
@@ -82,7 +75,7 @@ class ErrorFeedback:
 
         Before the first :meth:`update` of ``key`` the residual is zero.
         """
-        xp = _xp(x)
+        xp = xp_of(x)
         if out is None:
             out = xp.empty(x.shape, dtype=np.float32)
         elif out.dtype != np.float32 or out.shape != x.shape:
@@ -100,7 +93,7 @@ class ErrorFeedback:
 
     def update(self, key: Hashable, compensated: Any, decoded: Any) -> None:
         """Store ``residual[key] = compensated - decoded`` (reusing the key's buffer)."""
-        xp = _xp(compensated)
+        xp = xp_of(compensated)
         res = self._residual_for(key, compensated)
         if res is None:
             res = xp.empty(compensated.shape, dtype=np.float32)
@@ -126,9 +119,9 @@ class ErrorFeedback:
         residual is written straight into the residual buffer, so after the first call
         for a key nothing is allocated (except the segment when ``out`` is None).
         """
-        xp = _xp(x)
+        xp = xp_of(x)
         scratch = self._scratch.get(key)
-        if scratch is None or scratch.shape != x.shape or _xp(scratch) is not xp:
+        if scratch is None or scratch.shape != x.shape or xp_of(scratch) is not xp:
             scratch = xp.empty(x.shape, dtype=np.float32)
             self._scratch[key] = scratch
         comp = self.compensate(key, x, out=scratch)
@@ -153,13 +146,13 @@ class ErrorFeedback:
     # -- checkpointing -------------------------------------------------------------------
     def state_dict(self) -> dict[Hashable, np.ndarray]:
         """The residuals as host NumPy float32 arrays (copies), keyed as given."""
-        return {k: (v.get() if codec._is_cupy(v) else v.copy()) for k, v in self._residual.items()}
+        return {k: to_host(v, copy=True) for k, v in self._residual.items()}
 
     def load_state_dict(self, state: Mapping[Hashable, Any]) -> None:
         """Replace the residuals; arrays move to the values' device on first use."""
         residual = {}
         for k, v in state.items():
-            arr = np.asarray(v.get() if codec._is_cupy(v) else v, dtype=np.float32)
+            arr = np.asarray(to_host(v), dtype=np.float32)
             if arr.ndim != 1:
                 raise CodecError(f"residual of {k!r} must be 1-D, got shape {arr.shape}")
             residual[k] = arr.copy()

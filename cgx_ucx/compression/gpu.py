@@ -27,8 +27,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..arrays import BFLOAT16
 from ..errors import CodecError
-from .codec import BFLOAT16, HEADER_NBYTES, CodecHeader
+from .codec import HEADER_NBYTES, CodecHeader
 from .reference import seed_key
 
 __all__ = [

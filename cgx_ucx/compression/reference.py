@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from ..arrays import as_uint8_buffer, is_cupy
 from ..errors import CodecError
 from . import codec
 from .codec import HEADER_NBYTES, CodecHeader
@@ -211,6 +212,6 @@ def decode_add(buf: Any, acc: np.ndarray) -> np.ndarray:
 
 
 def _host(buf: Any) -> np.ndarray:
-    if codec._is_cupy(buf):
+    if is_cupy(buf):
         raise CodecError("the NumPy reference takes host buffers")
-    return codec._as_buffer(buf)
+    return as_uint8_buffer(buf)
