@@ -1,31 +1,51 @@
-"""Emulated commodity links: one network namespace per rank, veth pairs, ``tc tbf`` shaping.
+"""Emulated commodity links: one network namespace per node, veth pairs, ``tc tbf`` shaping.
 
 CGX's claim is about slow links (1-25 Gbit/s Ethernet between nodes); this module builds such
-a link on one machine so the claim can be measured and repeated by anyone with root:
+a link on one machine so the claim can be measured and repeated by anyone with root.
 
-1. One network namespace per rank (``<prefix>-<pid>-<token>-r<rank>``), each with ``lo`` up
-   and one veth device holding ``10.213.0.<rank+1>/24``. The subnet is private and exists
-   only inside these namespaces: nothing outside them is ever addressed. Inside rank i's
-   namespace the machine's hostname resolves to rank i's address (``/etc/netns/<ns>/hosts``,
-   which ``ip netns exec`` mounts over ``/etc/hosts``), as on a cluster node.
-2. Two ranks: the two veth ends are joined directly. More ranks: each rank's veth goes to a
-   bridge in a hub namespace (``...-hub``), i.e. a switch with one port per rank.
-3. Every egress device (the rank's veth, and for the bridge also the hub's port towards the
-   rank) gets a ``tbf`` qdisc at the asked rate, so each rank has an up- and a downlink of
+Two layouts:
+
+- per rank (``LinkEmulator(4)``): every rank is a node of its own, so every byte between
+  ranks crosses a shaped link (the original mode, used by ``bench link``);
+- nodes (``LinkEmulator(4, nodes=2)`` or ``nodes=[3, 1]``): one namespace per node holds
+  that node's ranks (consecutive ranks, as torchrun places them); ranks of one node talk
+  through shared memory or the node's ``lo``, ranks of different nodes through the shaped
+  link. The ranks get torchrun's variables (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+  ``GROUP_RANK``, ``GROUP_WORLD_SIZE``) and, by default, no UCX variables at all: what
+  UCX does then is what a user on two hosts gets (see ``force_tcp``).
+
+1. One network namespace per node (``<prefix>-<pid>-<token>-r<rank>`` per rank,
+   ``...-n<node>`` per node), each with ``lo`` up and one veth device holding
+   ``10.213.0.<node+1>/24``. The subnet is private and exists only inside these
+   namespaces: nothing outside them is ever addressed. Inside node i's namespace the
+   machine's hostname resolves to node i's address (``/etc/netns/<ns>/hosts``, which
+   ``ip netns exec`` mounts over ``/etc/hosts``), as on a cluster node.
+2. Two nodes: the two veth ends are joined directly. More nodes: each node's veth goes to a
+   bridge in a hub namespace (``...-hub``), i.e. a switch with one port per node.
+3. Every egress device (the node's veth, and for the bridge also the hub's port towards the
+   node) gets a ``tbf`` qdisc at the asked rate, so each node has an up- and a downlink of
    that rate, as a NIC on a switch does.
 4. Everything is removed on exit, on failure (``finally``), on SIGINT/SIGTERM (the handlers
    tear down, restore the previous handler and re-raise), and left-overs of a killed run
    (namespace names carry the owner's pid; the owner is dead) at the next start.
 
-Rank processes are started inside namespace *i* with ``ip netns exec`` and a per-rank
-environment (:meth:`LinkEmulator.rank_env`) that forces the traffic onto the shaped device:
+Rank processes are started inside their node's namespace with ``ip netns exec`` and a
+per-rank environment (:meth:`LinkEmulator.rank_env`). With ``force_tcp`` (the default of the
+per-rank layout) it forces the traffic onto the shaped device:
 
-- ``UCX_TLS=tcp`` and ``UCX_NET_DEVICES=<veth>``: with UCX_TLS unset UCX found shared memory
-  across the namespaces and ignored the shaping (measured 1.86 GB/s on a "1 Gbit" link).
+- ``UCX_TLS=tcp`` and ``UCX_NET_DEVICES=<veth>``: all namespaces share one kernel, so with
+  UCX_TLS unset UCX finds shared memory across them and ignores the shaping (measured
+  1.86 GB/s on a "1 Gbit" link). In the nodes layout this is exactly what the engine's
+  per-level transports must prevent by themselves, so there ``force_tcp`` is off by default.
 - ``GLOO_SOCKET_IFNAME=<veth>`` per rank (one name for all ranks failed with a store timeout,
   measured), ``UCXPY_IFNAME=<veth>`` for ``ucxx.get_address``.
 - ``MASTER_ADDR`` = rank 0's address: the TCPStore lives in rank 0's namespace and is reached
   over the link by every rank.
+
+Byte counters: :meth:`LinkEmulator.interface_counters` reads every interface's
+``/sys/class/net/<if>/statistics/{tx,rx}_bytes`` inside every node namespace; two snapshots
+subtracted (:meth:`InterfaceCounters.delta`) show how many bytes crossed each node's shaped
+link and how many went over its ``lo`` (shared memory moves no interface bytes at all).
 
 Delay: ``netem`` is not in every kernel (it is not in the one this was built on: ``tc qdisc
 add ... netem`` answers "Specified qdisc kind is unknown"). :attr:`LinkEmulator.netem_available`
@@ -62,6 +82,7 @@ from ..errors import CGXTimeoutError, ConfigError, TransportError
 
 __all__ = [
     "DEFAULT_PREFIX",
+    "InterfaceCounters",
     "LinkEmulator",
     "RankResult",
     "TcpMeasurement",
@@ -219,7 +240,7 @@ def _delete_namespace(ns: str) -> str | None:
 
 
 def _name_pattern(prefix: str) -> re.Pattern[str]:
-    return re.compile(rf"^{re.escape(prefix)}-(\d+)-([0-9a-f]{{6}})-(?:r\d+|hub)$")
+    return re.compile(rf"^{re.escape(prefix)}-(\d+)-([0-9a-f]{{6}})-(?:r\d+|n\d+|hub)$")
 
 
 def cleanup_stale(prefix: str = DEFAULT_PREFIX) -> list[str]:
@@ -265,6 +286,45 @@ class TcpMeasurement:
 
 
 @dataclass(frozen=True)
+class InterfaceCounters:
+    """Byte counters of every interface of every node namespace, at one moment.
+
+    ``bytes[node][ifname] = (tx_bytes, rx_bytes)``, as the kernel counts them (Ethernet
+    headers included; ``lo`` counts each byte once each way). ``link`` names each node's
+    shaped device.
+    """
+
+    bytes: tuple[dict[str, tuple[int, int]], ...]
+    link: tuple[str, ...]
+
+    def delta(self, before: InterfaceCounters) -> InterfaceCounters:
+        """What was counted between ``before`` and this snapshot."""
+        if len(before.bytes) != len(self.bytes):
+            raise ConfigError("counter snapshots of different emulators")
+        out = []
+        for now, then in zip(self.bytes, before.bytes, strict=True):
+            out.append(
+                {
+                    dev: (tx - then.get(dev, (0, 0))[0], rx - then.get(dev, (0, 0))[1])
+                    for dev, (tx, rx) in now.items()
+                }
+            )
+        return InterfaceCounters(tuple(out), self.link)
+
+    def link_tx(self, node: int) -> int:
+        """Bytes node ``node`` sent over its shaped link."""
+        return self.bytes[node][self.link[node]][0]
+
+    def link_rx(self, node: int) -> int:
+        """Bytes node ``node`` received over its shaped link."""
+        return self.bytes[node][self.link[node]][1]
+
+    def loopback_tx(self, node: int) -> int:
+        """Bytes sent over node ``node``'s ``lo`` (node-local TCP; shared memory is not seen)."""
+        return self.bytes[node].get("lo", (0, 0))[0]
+
+
+@dataclass(frozen=True)
 class RankResult:
     """What one rank process left behind."""
 
@@ -275,15 +335,21 @@ class RankResult:
 
 
 class LinkEmulator:
-    """One network namespace per rank joined by shaped veth links; a context manager.
+    """One network namespace per node joined by shaped veth links; a context manager.
 
     ``LinkEmulator(2, rate="1gbit")`` builds two namespaces joined by a 1 Gbit/s link in each
     direction. Inside the ``with`` block, :meth:`popen` / :meth:`run_ranks` start processes in
     a rank's namespace with :meth:`rank_env`, and :meth:`measure_tcp` checks the link.
+    ``LinkEmulator(4, "1gbit", nodes=2)`` builds two nodes of two ranks each.
 
     Arguments:
-        world_size: ranks (1..254); 2 gives a direct veth pair, more a bridge.
-        rate: per-direction rate of every rank's link: bits/s or e.g. ``"10gbit"``.
+        world_size: ranks (1..254).
+        rate: per-direction rate of every node's link: bits/s or e.g. ``"10gbit"``.
+        nodes: ``None``: one node per rank (the per-rank layout); an int: that many nodes of
+            equal size; a sequence: the ranks of each node (e.g. ``[3, 1]``), consecutive
+            ranks per node. 2 nodes give a direct veth pair, more a bridge.
+        force_tcp: put ``UCX_TLS=tcp`` and ``UCX_NET_DEVICES=<veth>`` in every rank's
+            environment; default: on in the per-rank layout, off with ``nodes``.
         mtu: frame payload size of the veth devices (1500 = commodity Ethernet).
         delay: one-way delay in seconds added on each egress by ``netem``; needs netem in
             the kernel (:class:`ConfigError` otherwise). Not exercised on the machine this
@@ -298,6 +364,8 @@ class LinkEmulator:
         world_size: int,
         rate: str | float = "1gbit",
         *,
+        nodes: int | Sequence[int] | None = None,
+        force_tcp: bool | None = None,
         mtu: int = DEFAULT_MTU,
         delay: float = 0.0,
         prefix: str = DEFAULT_PREFIX,
@@ -314,6 +382,12 @@ class LinkEmulator:
         if delay < 0:
             raise ConfigError(f"delay must be >= 0 seconds, got {delay!r}")
         self.world_size = world_size
+        #: Ranks of each node; rank r lives on node ``node_of[r]``.
+        self.node_sizes = _node_sizes(world_size, nodes)
+        self.per_rank = nodes is None
+        self.force_tcp = self.per_rank if force_tcp is None else bool(force_tcp)
+        self.node_of = [n for n, size in enumerate(self.node_sizes) for _ in range(size)]
+        self.local_rank = [i for size in self.node_sizes for i in range(size)]
         self.rate_bps = parse_rate(rate)
         self.mtu = int(mtu)
         self.delay = float(delay)
@@ -322,12 +396,19 @@ class LinkEmulator:
         self.limit_bytes = tbf_limit_bytes(self.rate_bps)
         token = secrets.token_hex(3)
         base = f"{prefix}-{os.getpid()}-{token}"
-        self.namespaces = [f"{base}-r{i}" for i in range(world_size)]
-        self.hub = f"{base}-hub" if world_size > 2 else None
-        self.devices = [f"cx{token}r{i}" for i in range(world_size)]
-        self._hub_ports = [f"cx{token}h{i}" for i in range(world_size)]
+        n_nodes = len(self.node_sizes)
+        kind = "r" if self.per_rank else "n"
+        #: One namespace, shaped device and address per node.
+        self.node_namespaces = [f"{base}-{kind}{i}" for i in range(n_nodes)]
+        self.node_devices = [f"cx{token}{kind}{i}" for i in range(n_nodes)]
+        self.node_addresses = [f"{SUBNET}.{i + 1}" for i in range(n_nodes)]
+        self.hub = f"{base}-hub" if n_nodes > 2 else None
+        self._hub_ports = [f"cx{token}h{i}" for i in range(n_nodes)]
         self._bridge = f"cx{token}br"
-        self.addresses = [f"{SUBNET}.{i + 1}" for i in range(world_size)]
+        #: The same per rank (ranks of one node share them).
+        self.namespaces = [self.node_namespaces[n] for n in self.node_of]
+        self.devices = [self.node_devices[n] for n in self.node_of]
+        self.addresses = [self.node_addresses[n] for n in self.node_of]
         self.netem_available: bool | None = None
         self._handle_signals = handle_signals
         self._created: list[str] = []
@@ -336,7 +417,11 @@ class LinkEmulator:
         self._lock = threading.RLock()
         self._active = False
         self._next_port = 29500
-        assert all(len(n) <= IFNAMSIZ for n in [*self.devices, *self._hub_ports, self._bridge])
+        assert all(len(n) <= IFNAMSIZ for n in [*self.node_devices, *self._hub_ports, self._bridge])
+
+    @property
+    def nodes(self) -> int:
+        return len(self.node_sizes)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -373,8 +458,10 @@ class LinkEmulator:
             self.close()
             raise
         log.info(
-            "link emulator up: %d ranks, %s per direction, tbf burst %d B limit %d B, netem %s",
+            "link emulator up: %d ranks on nodes %s, %s per direction, tbf burst %d B "
+            "limit %d B, netem %s",
             self.world_size,
+            self.node_sizes,
             format_rate(self.rate_bps),
             self.burst_bytes,
             self.limit_bytes,
@@ -389,35 +476,39 @@ class LinkEmulator:
             host = socket.gethostname()
             lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost", f"{address} {host}"]
             lines += [f"{a} cgx-rank{i}" for i, a in enumerate(self.addresses)]
+            if not self.per_rank:
+                lines += [f"{a} cgx-node{i}" for i, a in enumerate(self.node_addresses)]
             folder = NETNS_ETC / ns
             folder.mkdir(parents=True, exist_ok=True)
             (folder / "hosts").write_text("\n".join(lines) + "\n")
 
     def _build(self) -> None:
-        for ns, addr in zip(self.namespaces, self.addresses, strict=True):
+        for ns, addr in zip(self.node_namespaces, self.node_addresses, strict=True):
             self._add_namespace(ns, addr)
         if self.hub is not None:
             self._add_namespace(self.hub)
             _run(["ip", "-n", self.hub, "link", "add", self._bridge, "type", "bridge"])
             _run(["ip", "-n", self.hub, "link", "set", self._bridge, "up"])
         egress: list[tuple[str, str]] = []
-        if self.world_size == 2:
-            ns0, ns1 = self.namespaces
-            dev0, dev1 = self.devices
+        if self.nodes == 2:
+            ns0, ns1 = self.node_namespaces
+            dev0, dev1 = self.node_devices
             _run(["ip", "-n", ns0, "link", "add", dev0, "type", "veth", *_peer(dev1, ns1)])
             egress += [(ns0, dev0), (ns1, dev1)]
         elif self.hub is not None:
-            for ns, dev, port in zip(self.namespaces, self.devices, self._hub_ports, strict=True):
+            nodes = zip(self.node_namespaces, self.node_devices, self._hub_ports, strict=True)
+            for ns, dev, port in nodes:
                 _run(["ip", "-n", ns, "link", "add", dev, "type", "veth", *_peer(port, self.hub)])
                 _run(["ip", "-n", self.hub, "link", "set", port, "mtu", str(self.mtu)])
                 _run(["ip", "-n", self.hub, "link", "set", port, "master", self._bridge])
                 _run(["ip", "-n", self.hub, "link", "set", port, "up"])
                 egress += [(ns, dev), (self.hub, port)]
-        for ns, dev, addr in zip(self.namespaces, self.devices, self.addresses, strict=True):
+        links = zip(self.node_namespaces, self.node_devices, self.node_addresses, strict=True)
+        for ns, dev, addr in links if self.nodes > 1 else ():
             _run(["ip", "-n", ns, "link", "set", dev, "mtu", str(self.mtu)])
             _run(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev])
             _run(["ip", "-n", ns, "link", "set", dev, "up"])
-        self.netem_available = self._probe_netem(self.namespaces[0])
+        self.netem_available = self._probe_netem(self.node_namespaces[0])
         if self.delay > 0 and not self.netem_available:
             raise ConfigError(
                 "a link delay needs the netem qdisc, which this kernel lacks "
@@ -524,25 +615,29 @@ class LinkEmulator:
             return self._next_port
 
     def rank_env(self, rank: int, master_port: int | None = None) -> dict[str, str]:
-        """The variables that put rank ``rank``'s traffic on its shaped device (see module doc).
+        """Rank ``rank``'s variables, as torchrun would set them on its node (see module doc).
 
-        Each namespace stands for one node: LOCAL_RANK 0, LOCAL_WORLD_SIZE 1.
+        Each namespace stands for one node: LOCAL_RANK / LOCAL_WORLD_SIZE / GROUP_RANK /
+        GROUP_WORLD_SIZE describe the rank's place in it (in the per-rank layout every node
+        holds one rank). ``UCX_TLS``/``UCX_NET_DEVICES`` only with :attr:`force_tcp`.
         """
         self._check_rank(rank)
         dev = self.devices[rank]
         package_root = str(Path(__file__).resolve().parents[2])
         pythonpath = os.environ.get("PYTHONPATH")
+        env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": dev} if self.force_tcp else {}
         return {
-            "UCX_TLS": "tcp",
-            "UCX_NET_DEVICES": dev,
+            **env,
             "UCXPY_IFNAME": dev,
             "GLOO_SOCKET_IFNAME": dev,
             "MASTER_ADDR": self.master_addr,
             "MASTER_PORT": str(master_port if master_port is not None else self._next_port),
             "RANK": str(rank),
             "WORLD_SIZE": str(self.world_size),
-            "LOCAL_RANK": "0",
-            "LOCAL_WORLD_SIZE": "1",
+            "LOCAL_RANK": str(self.local_rank[rank]),
+            "LOCAL_WORLD_SIZE": str(self.node_sizes[self.node_of[rank]]),
+            "GROUP_RANK": str(self.node_of[rank]),
+            "GROUP_WORLD_SIZE": str(self.nodes),
             "CGX_BENCH_LINK_DEVICE": dev,
             "CGX_BENCH_LINK_RATE_BPS": str(self.rate_bps),
             "PYTHONPATH": package_root + (os.pathsep + pythonpath if pythonpath else ""),
@@ -670,11 +765,12 @@ class LinkEmulator:
 
         The first two buckets' worth of bytes are excluded from the timing (they pass at
         line speed before the shaping bites). Bounded in bytes, time and deadline.
+        ``src`` and ``dst`` are ranks on different nodes.
         """
         self._check_rank(src)
         self._check_rank(dst)
-        if src == dst:
-            raise ConfigError("measure_tcp needs two different ranks")
+        if self.node_of[src] == self.node_of[dst]:
+            raise ConfigError("measure_tcp needs two ranks on different nodes")
         probe = [sys.executable, "-m", "cgx_ucx.bench.link_probe"]
         skip = ["--skip", str(2 * self.burst_bytes)]
         deadline = time.monotonic() + timeout
@@ -732,19 +828,64 @@ class LinkEmulator:
             raise TransportError(f"no qdisc counters on {self.devices[rank]}: {done.stdout!r}")
         return int(m.group(1))
 
+    def interface_counters(self) -> InterfaceCounters:
+        """Every interface's byte counters in every node namespace (a snapshot).
+
+        Read from ``/sys/class/net/<if>/statistics`` inside each namespace (``ip netns
+        exec`` mounts that namespace's sysfs). Subtract two snapshots with
+        :meth:`InterfaceCounters.delta`.
+        """
+        if not self._active:
+            raise ConfigError("the LinkEmulator is not started (use it as a context manager)")
+        script = (
+            "cd /sys/class/net && for i in *; do "
+            'echo "$i $(cat $i/statistics/tx_bytes) $(cat $i/statistics/rx_bytes)"; done'
+        )
+        snapshot = []
+        for ns in self.node_namespaces:
+            done = _run(["ip", "netns", "exec", ns, "sh", "-c", script])
+            counts = {}
+            for line in done.stdout.splitlines():
+                parts = line.split()
+                if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
+                    counts[parts[0]] = (int(parts[1]), int(parts[2]))
+            snapshot.append(counts)
+        return InterfaceCounters(tuple(snapshot), tuple(self.node_devices))
+
     def describe(self) -> dict[str, Any]:
         """The emulated link's settings, for the benchmark's JSON record."""
+        topology = {1: "one node", 2: "veth pair"}.get(self.nodes, "veth to a bridge")
         return {
             "world_size": self.world_size,
+            "nodes": list(self.node_sizes),
+            "force_tcp": self.force_tcp,
             "rate_bps": self.rate_bps,
             "rate": format_rate(self.rate_bps),
-            "topology": "veth pair" if self.world_size == 2 else "veth to a bridge",
+            "topology": topology,
             "mtu": self.mtu,
             "tbf_burst_bytes": self.burst_bytes,
             "tbf_limit_bytes": self.limit_bytes,
             "delay_s": self.delay,
             "netem_available": self.netem_available,
         }
+
+
+def _node_sizes(world_size: int, nodes: int | Sequence[int] | None) -> list[int]:
+    """Ranks per node from the ``nodes`` argument (see :class:`LinkEmulator`)."""
+    if nodes is None:
+        return [1] * world_size
+    if isinstance(nodes, bool):
+        raise ConfigError(f"nodes must be an int or a list of ranks per node, got {nodes!r}")
+    if isinstance(nodes, int):
+        if nodes < 1 or world_size % nodes:
+            raise ConfigError(f"nodes={nodes} does not divide world_size={world_size}")
+        return [world_size // nodes] * nodes
+    sizes = list(nodes)
+    if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
+        raise ConfigError(f"nodes must list positive rank counts, got {nodes!r}")
+    if sum(sizes) != world_size:
+        raise ConfigError(f"nodes {sizes} hold {sum(sizes)} ranks, world_size is {world_size}")
+    return sizes
 
 
 def _peer(name: str, ns: str) -> list[str]:
