@@ -11,9 +11,12 @@ same model, from the same seed on the same data order, twice:
    values; 1-D and small layers uncompressed, as in the CGX paper);
 2. ``gloo fp32``: DDP on a gloo group with PyTorch's default allreduce.
 
-Rank 0 prints final test accuracy, mean step time and the gradient bytes each rank
-sent per step. The data (1797 8x8 images) ships with scikit-learn: nothing is
-downloaded.
+Rank 0 prints an epoch line while it trains (loss, step time, bytes sent per step),
+then final test accuracy, mean step time and the gradient bytes each rank sent per step,
+and writes ``train_digits.json`` and ``train_digits.png`` (loss and bytes against step,
+cgx and gloo) to ``--out-dir`` (default: a new ``./cgx_bench_results/<timestamp>/``).
+``--quiet`` keeps only the table. The data (1797 8x8 images) ships with scikit-learn:
+nothing is downloaded.
 
 ``--policy kmeans|budget|auto`` lets an adaptive policy choose each layer's bits in
 the cgx run (``CGXState(..., policy=..., model=ddp)``; "static" is the paper's
@@ -28,7 +31,9 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -57,6 +62,8 @@ class Result:
     steps: int
     final_loss: float
     layers: str = ""  # the policy's per-layer table (cgx runs)
+    losses: list[float] = field(default_factory=list)  # training loss of every step (this rank)
+    step_bytes: list[int] = field(default_factory=list)  # bytes sent at every step (cgx only)
 
 
 class DigitsCNN(nn.Module):
@@ -99,9 +106,10 @@ def train(
     lr: float = 0.1,
     seed: int = 0,
     policy: str = "static",
+    report: Callable[[str], None] | None = None,
 ) -> Result:
     """Train from ``seed`` on ``group``; ``mode`` is "cgx" (cgx_hook with ``policy``) or
-    "plain" (DDP's default allreduce)."""
+    "plain" (DDP's default allreduce). ``report`` receives one line per epoch."""
     rank, world = group.rank(), group.size()
     xtr, ytr, xte, yte = load_data(seed)
     torch.manual_seed(seed)
@@ -125,8 +133,12 @@ def train(
         opt, max_lr=lr, total_steps=epochs * steps_per_epoch
     )
     times: list[float] = []
+    losses: list[float] = []
+    step_bytes: list[int] = []
     loss = torch.zeros(())
     sent0 = state.communicator.stats.bytes_sent if state is not None else 0
+    label = _name(mode, bits, policy)
+    started = time.perf_counter()
     for epoch in range(epochs):
         # Same shuffle on every rank; each takes its own contiguous share.
         order = torch.randperm(len(ytr), generator=torch.Generator().manual_seed(seed + epoch))
@@ -140,6 +152,22 @@ def train(
             opt.step()
             sched.step()
             times.append(time.perf_counter() - t0)
+            losses.append(float(loss.item()))
+            if state is not None:
+                sent = state.communicator.stats.bytes_sent
+                step_bytes.append(sent - sent0 - sum(step_bytes))
+        if report is not None:
+            epoch_losses = losses[-steps_per_epoch:]
+            epoch_ms = 1000.0 * float(np.mean(times[-steps_per_epoch:]))
+            sent_text = (
+                f"{np.mean(step_bytes[-steps_per_epoch:]) / 1e3:.1f} kB/step sent"
+                if (step_bytes)
+                else "bytes: computed at the end"
+            )
+            report(
+                f"[{label}] epoch {epoch + 1}/{epochs}  loss {np.mean(epoch_losses):.4f}  "
+                f"step {epoch_ms:.2f} ms  {sent_text}  ({time.perf_counter() - started:.0f} s)"
+            )
     model.eval()
     with torch.no_grad():
         accuracy = (model(xte).argmax(1) == yte).float().mean().item() * 100.0
@@ -153,14 +181,8 @@ def train(
         grads = [p for p in model.parameters() if p.requires_grad]
         layout = Layout.uniform(sum(p.numel() for p in grads))
         nbytes, measured = wire_bytes(layout, 4, world), False
-    if mode != "cgx":
-        name = "gloo fp32"
-    elif policy == "static":
-        name = f"cgx {bits}-bit"
-    else:
-        name = f"cgx {policy}"
     return Result(
-        mode=name,
+        mode=label,
         accuracy=accuracy,
         step_ms=1000.0 * float(np.mean(warm)),
         bytes_per_step=int(nbytes),
@@ -168,7 +190,42 @@ def train(
         steps=len(times),
         final_loss=float(loss.item()),
         layers=state.stats_table() if state is not None else "",
+        losses=losses,
+        step_bytes=step_bytes,
     )
+
+
+def _name(mode: str, bits: int, policy: str) -> str:
+    if mode != "cgx":
+        return "gloo fp32"
+    return f"cgx {bits}-bit" if policy == "static" else f"cgx {policy}"
+
+
+def plot(results: list[Result], path: Path) -> Path:
+    """Loss against step and bytes sent per step, one line per run, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_bytes) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in results:
+        steps = np.arange(1, len(r.losses) + 1)
+        ax_loss.plot(steps, r.losses, label=r.mode, linewidth=0.8)
+        per_step = r.step_bytes if r.step_bytes else [r.bytes_per_step] * len(r.losses)
+        kind = "measured" if r.step_bytes else "computed"
+        ax_bytes.plot(steps, per_step, label=f"{r.mode} ({kind})", linewidth=0.8)
+    ax_loss.set(xlabel="step", ylabel="training loss (rank 0)", yscale="log")
+    ax_loss.set_title("loss")
+    ax_bytes.set(xlabel="step", ylabel="bytes sent per step (one rank)", yscale="log")
+    ax_bytes.set_title("gradient bytes per step")
+    for ax in (ax_loss, ax_bytes):
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _table(results: list[Result]) -> str:
@@ -191,7 +248,10 @@ def _table(results: list[Result]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--batch-size", type=int, default=32)
@@ -203,7 +263,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=list(cgx_torch.POLICY_NAMES),
         help="who picks each layer's bits in the cgx run (static: the paper's 4-bit rule)",
     )
-    parser.add_argument("--json", help="also write the results to this JSON file")
+    parser.add_argument(
+        "--out-dir",
+        help="directory for train_digits.json and .png (unset: a new "
+        "./cgx_bench_results/<timestamp>/)",
+    )
+    parser.add_argument("--json", help="the JSON file (the PNG goes next to it)")
+    parser.add_argument("--quiet", action="store_true", help="no epoch lines (CI)")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)  # two ranks share two cores here
@@ -213,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     kw: dict[str, Any] = dict(
         epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed
     )
+    if dist.get_rank() == 0 and not args.quiet:
+        print(f"joined {dist.get_world_size()} ranks on the cgx backend; training", flush=True)
+        kw["report"] = lambda line: print(line, flush=True)
     results = [
         train("cgx", dist.group.WORLD, bits=args.bits, policy=args.policy, **kw),
         train("plain", gloo, **kw),
@@ -229,12 +298,28 @@ def main(argv: list[str] | None = None) -> int:
             "(reduce-scatter + allgather), as gloo keeps no counters."
         )
         print(f"\n{results[0].mode}: final per-layer assignment\n{results[0].layers}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump([asdict(r) for r in results], f, indent=2)
+        _write(results, args)
         sys.stdout.flush()
     dist.destroy_process_group()
     return 0
+
+
+def _write(results: list[Result], args: argparse.Namespace) -> None:
+    from cgx_ucx.bench.report import default_results_dir
+
+    if args.json:
+        path = Path(args.json)
+    else:
+        path = (Path(args.out_dir) if args.out_dir else default_results_dir()) / "train_digits.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
+    print(f"\nJSON: {path}")
+    try:
+        png = plot(results, path.with_suffix(".png"))
+    except ImportError as exc:  # matplotlib is in the bench extra
+        print(f"no plot ({exc}); pip install matplotlib", file=sys.stderr)
+    else:
+        print(f"plot: {png}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 
-from test_torch_harness import run_ranks
+from torch_helpers import run_torch_ranks
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_digits.py"
 
@@ -43,8 +43,8 @@ def _train_job(rank: int, world: int, store: Any) -> Any:
 
 
 @pytest.mark.timeout(200)
-def test_digits_4bit_matches_fp32_accuracy() -> None:
-    results = run_ranks(_train_job, 2, timeout=180)
+def test_digits_4bit_matches_fp32_accuracy(tmp_path: Path) -> None:
+    results = run_torch_ranks(_train_job, 2, timeout=180)
     compressed, plain = results[0]
     assert plain["accuracy"] > 95.0, plain  # the recipe trains (fixed seeds)
     assert abs(compressed["accuracy"] - plain["accuracy"]) <= 0.5, (compressed, plain)
@@ -53,3 +53,11 @@ def test_digits_4bit_matches_fp32_accuracy() -> None:
     assert results[1][1]["accuracy"] == plain["accuracy"]
     assert compressed["bytes_measured"]
     assert compressed["bytes_per_step"] * 5 < plain["bytes_per_step"], (compressed, plain)
+    # the curves behind the PNG: a loss per step, and the cgx bytes per step add up
+    assert len(compressed["losses"]) == compressed["steps"] == len(compressed["step_bytes"])
+    assert plain["step_bytes"] == [] and len(plain["losses"]) == plain["steps"]
+    mean_bytes = sum(compressed["step_bytes"]) / compressed["steps"]
+    assert int(mean_bytes) == compressed["bytes_per_step"]
+    example = _load_example()
+    png = example.plot([example.Result(**r) for r in (compressed, plain)], tmp_path / "t.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
