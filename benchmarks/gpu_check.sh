@@ -3,8 +3,9 @@
 #   bash benchmarks/gpu_check.sh [gpu_check.py options]
 # 1. installs what is missing (numpy numba ml_dtypes cupy-cuda12x pytest ...) with pip,
 # 2. runs the GPU tests with CGX_UCX_REQUIRE_GPU=1 (a missing GPU fails, not skips): the
-#    codec's, the NVRTC kernel tests, and the engine's collectives on CuPy buffers between
-#    two processes on one GPU (cuda_ipc); there is no torch CUDA test yet to add,
+#    codec's (the ``gpu`` cases of tests/test_codec.py), the NVRTC kernel tests, and the
+#    engine's collectives on CuPy buffers between two processes on one GPU (cuda_ipc); there
+#    is no torch CUDA test yet to add,
 # 3. prints GPU encode/decode/decode_add throughput next to a device-to-device copy and
 #    writes benchmarks/results/gpu_codec.json (+ gpu_tests.txt); copies both to $OUT when set.
 # The package runs from this checkout (PYTHONPATH), nothing is installed for it.
@@ -36,9 +37,17 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 echo "== tests (CGX_UCX_REQUIRE_GPU=1)"
-CGX_UCX_REQUIRE_GPU=1 $PY -m pytest -q -p no:cacheprovider -o addopts="" \
-  tests/test_gpu_codec.py tests/test_kernels_nvrtc.py tests/test_collectives_gpu.py 2>&1 \
-  | tee "$RESULTS/gpu_tests.txt"
+# -m gpu: the GPU cases of the codec tests (the cupy side of the shared xp bodies and the
+# GPU-only tests) and the collectives on CuPy buffers; then the NVRTC kernel tests, whole.
+{
+  CGX_UCX_REQUIRE_GPU=1 $PY -m pytest -q -p no:cacheprovider -o addopts="" -m gpu \
+    tests/test_codec.py tests/test_collectives_gpu.py
+  codec_rc=$?
+  CGX_UCX_REQUIRE_GPU=1 $PY -m pytest -q -p no:cacheprovider -o addopts="" \
+    tests/test_kernels_nvrtc.py
+  nvrtc_rc=$?
+  exit $((codec_rc || nvrtc_rc))
+} 2>&1 | tee "$RESULTS/gpu_tests.txt"
 tests_rc=${PIPESTATUS[0]}
 
 echo "== throughput"

@@ -1,4 +1,10 @@
-"""The quantization codec on the host: error bounds, exact cases, wire format, Numba vs NumPy.
+"""The quantization codec: error bounds, exact cases, wire format, Numba vs NumPy, and the
+GPU (CuPy) codec against the host's.
+
+Tests taking the ``xp`` fixture run one body on NumPy buffers (the Numba codec) and on CuPy
+buffers (the GPU codec); tests marked ``gpu`` are GPU-only (bytes equal to the CPU's over a
+sweep of sizes, streams). Both GPU kinds are skipped without a usable GPU and fail instead
+with ``CGX_UCX_REQUIRE_GPU=1`` (``conftest.py``, ``benchmarks/gpu_check.sh``).
 
 Error bounds checked per element (unit = the bucket's stored float32 unit):
 
@@ -15,6 +21,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from types import ModuleType
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -96,6 +104,26 @@ def bucket_stats(x32: np.ndarray, bucket: int, bits: int) -> tuple[np.ndarray, n
 
 def as32(buf: np.ndarray) -> np.ndarray:
     return decode(buf, out=np.empty(read_header(buf).numel, np.float32))
+
+
+def host(a: Any) -> np.ndarray:
+    """A NumPy array as it is, a CuPy array copied to the host."""
+    return a if isinstance(a, np.ndarray) else a.get()
+
+
+def address(a: Any) -> int:
+    """Where a NumPy or CuPy array's data starts."""
+    return a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
+
+
+def values(n: int, dtype: np.dtype, seed: int) -> np.ndarray:
+    """One random scale over the whole array, a few zeros and a constant run."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(n) * 10.0 ** rng.uniform(-3, 3)).astype(dtype)
+    if n > 100:
+        x[rng.integers(0, n, 5)] = 0.0
+        x[n // 3 : n // 3 + 64] = x[n // 3]
+    return x
 
 
 cases = st.tuples(
@@ -366,22 +394,43 @@ def test_out_buffers_are_reused_not_allocated() -> None:
     assert np.array_equal(decode(raw), x)
 
 
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("offset", [1, 2, 3, 5])
-def test_segments_at_unaligned_offsets(offset: int) -> None:
+def test_segments_at_unaligned_offsets(xp: ModuleType, offset: int) -> None:
     # segments are packed back to back in one message: meta and values at any address
     x = make_values(offset, 300_001, np.dtype(np.float32), "normal")  # shared with helpers
+    xd = xp.asarray(x)
     for bits, bucket in ((4, 1024), (3, 100)):
         need = encoded_nbytes(x.size, bits, bucket)
-        msg = np.zeros(need + offset + 8, np.uint8)
-        seg = encode(x, bits, bucket, out=msg[offset:])
-        assert seg.ctypes.data == msg.ctypes.data + offset
+        msg = xp.zeros(need + offset + 8, xp.uint8)
+        seg = encode(xd, bits, bucket, out=msg[offset:])
+        assert address(seg) == address(msg) + offset
         want = reference.encode(x, bits, bucket)
-        assert np.array_equal(seg, want)
-        assert np.all(msg[:offset] == 0) and np.all(msg[offset + need :] == 0)
-        assert np.array_equal(decode(seg), reference.decode(want))
-        acc = np.ones(x.size, np.float32)
+        assert np.array_equal(host(seg), want)
+        msg_h = host(msg)
+        assert np.all(msg_h[:offset] == 0) and np.all(msg_h[offset + need :] == 0)
+        assert np.array_equal(host(decode(seg)), reference.decode(want))
+        acc = xp.ones(x.size, xp.float32)
         decode_add(seg, acc)
-        assert np.array_equal(acc, np.float32(1) + reference.decode(want))
+        assert np.array_equal(host(acc), np.float32(1) + reference.decode(want))
+    # every dtype and RAW, decoded into every float dtype
+    for bits in (4, 32):
+        for dtype in DTYPES:
+            x = values(3001, dtype, seed=offset)
+            need = encoded_nbytes(3001, bits, 256, dtype)
+            big = xp.zeros(need + 16, xp.uint8)
+            seg = encode(xp.asarray(x), bits, 256, out=big[offset:])
+            assert address(seg) == address(big) + offset and seg.size == need
+            assert np.array_equal(host(seg), encode(x, bits, 256))
+            for out_dtype in (np.float32, np.float16, BF16, np.float64):
+                y = decode(seg, out=xp.empty(3001, out_dtype))
+                want = decode(host(seg), out=np.empty(3001, out_dtype))
+                assert np.array_equal(host(y).view(np.uint8), want.view(np.uint8))
+            acc = xp.ones(3001, xp.float32)
+            decode_add(seg, acc)
+            assert np.array_equal(
+                host(acc), np.float32(1) + decode(host(seg), out=np.empty(3001, np.float32))
+            )
 
 
 def test_decode_accepts_bytes_like() -> None:
@@ -551,6 +600,127 @@ def test_error_feedback_compensate_update_state_dict() -> None:
     assert "a" not in ef
     xh = x.astype(np.float16)
     assert ef.compensate("h", xh).dtype == np.float32
+
+
+# ---------------------------------------------------------------------------------------
+# one body for the host (xp=numpy: Numba) and the GPU (xp=cupy)
+
+
+@pytest.mark.timeout(120)
+def test_small_cases_equal_reference(xp: ModuleType) -> None:
+    for n, bits, bucket in [(13, 3, 4), (600, 7, 7), (2500, 6, 2048), (9000, 8, 512)]:
+        for dtype in DTYPES:
+            x = values(n, dtype, seed=bits)
+            x[n // 2] = np.nan
+            ref = reference.encode(x, bits, bucket, stochastic=True, seed=5)
+            got = encode(xp.asarray(x), bits, bucket, stochastic=True, seed=5)
+            assert np.array_equal(host(got), ref)
+            assert np.array_equal(
+                host(decode(got, out=xp.empty(n, np.float64))),
+                reference.decode(ref, out=np.empty(n, np.float64)),
+                equal_nan=True,
+            )
+
+
+@pytest.mark.timeout(60)
+def test_nonfinite_buckets_and_constants(xp: ModuleType) -> None:
+    x = np.repeat(np.float32([1.5, -2.0, 0.0, 7.0]), 64)
+    x[70] = np.inf
+    y = host(decode(encode(xp.asarray(x), 4, 64)))
+    assert np.array_equal(np.isfinite(y), np.arange(256) // 64 != 1)
+    assert np.array_equal(y[np.isfinite(y)], x[np.isfinite(y)])
+
+
+@pytest.mark.timeout(60)
+def test_subnormals_are_not_flushed(xp: ModuleType) -> None:
+    # CuPy's RawModule would compile with -ftz=true; no backend may flush subnormals
+    rng = np.random.default_rng(3)
+    f32 = (rng.standard_normal(5000) * 1e-39).astype(np.float32)  # float32 subnormals
+    f16 = (rng.standard_normal(5000) * 1e-6).astype(np.float16)  # float16 subnormals
+    for x in (f32, f16):
+        for bits in (2, 8, 32):
+            for stochastic in (False, True):
+                got = encode(xp.asarray(x), bits, 128, stochastic=stochastic, seed=1)
+                want = reference.encode(x, bits, 128, stochastic=stochastic, seed=1)
+                assert np.array_equal(host(got), want)
+            y = decode(xp.asarray(want), out=xp.empty(5000, xp.float32))
+            assert np.array_equal(host(y), reference.decode(want, out=np.empty(5000, np.float32)))
+
+
+# ---------------------------------------------------------------------------------------
+# GPU only: the GPU's bytes against the CPU's over many sizes, streams, error feedback
+
+GPU_SIZES_BUCKETS = [
+    (0, 1024),
+    (1, 1024),
+    (7, 3),
+    (1000, 1),
+    (4099, 1000),
+    (100_003, 512),
+    (100_003, 1024),
+    (65_536 + 5, 100),
+    (300_000, 65_536),
+    ((1 << 20) + 3, 1024),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n,bucket", GPU_SIZES_BUCKETS)
+def test_gpu_bytes_equal_cpu_bytes(cp: ModuleType, n: int, bucket: int) -> None:
+    for dtype in DTYPES:
+        x = values(n, dtype, seed=n + bucket)
+        xd = cp.asarray(x)
+        assert backend_name(xd) == "cupy"
+        for bits in range(1, 9):
+            for stochastic in (False, True):
+                gpu = encode(xd, bits, bucket, stochastic=stochastic, seed=bits)
+                cpu = encode(x, bits, bucket, stochastic=stochastic, seed=bits)  # Numba
+                assert np.array_equal(host(gpu), cpu), (dtype, bits, stochastic)
+            for out_dtype in (np.float32, dtype):
+                y = decode(gpu, out=cp.empty(n, out_dtype))
+                assert np.array_equal(
+                    host(y).view(np.uint8), decode(cpu, out=np.empty(n, out_dtype)).view(np.uint8)
+                )
+            acc = cp.linspace(-1, 1, n, dtype=cp.float32)
+            acc_cpu = host(acc)
+            decode_add(gpu, acc)
+            decode_add(cpu, acc_cpu)
+            assert np.array_equal(host(acc).view(np.uint32), acc_cpu.view(np.uint32))
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(60)
+def test_non_default_stream_and_validation(cp: ModuleType) -> None:
+    x = values(50_000, np.dtype(np.float32), seed=1)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        xd = cp.asarray(x)
+        buf = encode(xd, 4, 512)
+        acc = cp.zeros(50_000, cp.float32)
+        decode_add(buf, acc)
+    stream.synchronize()
+    assert np.array_equal(host(acc), decode(encode(x, 4, 512)))
+    with pytest.raises(CodecError):
+        decode(buf[:-1])
+    with pytest.raises(CodecError):
+        decode_add(buf, np.zeros(50_000, np.float32))  # host acc, device buffer
+    with pytest.raises(CodecError):
+        encode(xd, 4, 512, out=np.empty(encoded_nbytes(50_000, 4, 512), np.uint8))
+    assert read_header(buf).numel == 50_000
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(60)
+def test_error_feedback_on_gpu(cp: ModuleType) -> None:
+    ef_gpu, ef_cpu = ErrorFeedback(), ErrorFeedback()
+    rng = np.random.default_rng(0)
+    for step in range(3):
+        x = rng.standard_normal(10_000).astype(np.float32)
+        a = ef_gpu.encode("w", cp.asarray(x), 2, 256, seed=step)
+        b = ef_cpu.encode("w", x, 2, 256, seed=step)
+        assert np.array_equal(host(a), b)
+    assert np.array_equal(ef_gpu.state_dict()["w"], ef_cpu.state_dict()["w"])
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,12 +1,11 @@
 """CuPy buffers between two processes on one GPU (UCX moves device memory directly:
-cuda_ipc / cuda_copy, no host copy). Skipped without a usable GPU; with
-``CGX_UCX_REQUIRE_GPU=1`` a missing GPU is a failure."""
+cuda_ipc / cuda_copy, no host copy). Marked ``gpu``: skipped without a usable GPU; with
+``CGX_UCX_REQUIRE_GPU=1`` a missing GPU is a failure (the gate is in ``conftest.py``)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from _gpu import usable_cupy as _gpu_or_skip
 from harness import run_ranks
 
 pytestmark = pytest.mark.gpu
@@ -40,7 +39,6 @@ async def gpu_collectives(ctx, n):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("n", [1, 3_000_017])
 def test_cupy_buffers_between_two_processes(n):
-    _gpu_or_skip()
     results = run_ranks(gpu_collectives, 2, args=(n,), timeout=170)
     exact = data(0, n) + data(1, n)
     for x, y, b, g, mod, transports in results:

@@ -8,7 +8,7 @@
    intrinsics as plain IEEE float32 with FP contraction off) and driven by
    :mod:`cgx_ucx.compression.gpu`'s own launch code. Its bytes must equal the NumPy
    reference: this checks the kernels' indexing, reductions, packing and conversions
-   here; ``tests/test_gpu_codec.py`` checks the real thing on a GPU.
+   here; the ``gpu`` tests in ``tests/test_codec.py`` check the real thing on a GPU.
 """
 
 from __future__ import annotations
