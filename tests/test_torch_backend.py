@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from test_torch_harness import DEAD_EXIT, run_ranks
+from torch_helpers import DEAD_EXIT, run_torch_ranks
 
 
 def _init(rank: int, world: int, store: Any, timeout_s: float = 60.0) -> Any:
@@ -138,7 +138,7 @@ def _exact_ops(rank: int, world: int, store: Any) -> None:
 
 @pytest.mark.timeout(150)
 def test_exact_collectives() -> None:
-    run_ranks(_exact_ops, 2, timeout=140)
+    run_torch_ranks(_exact_ops, 2, timeout=140)
 
 
 # -- compressed all_reduce -----------------------------------------------------------------
@@ -191,7 +191,7 @@ def _compressed(rank: int, world: int, store: Any) -> None:
 
 @pytest.mark.timeout(150)
 def test_compressed_allreduce_bounds() -> None:
-    run_ranks(_compressed, 3, timeout=140)
+    run_torch_ranks(_compressed, 3, timeout=140)
 
 
 # -- failure -------------------------------------------------------------------------------
@@ -231,5 +231,5 @@ def _dead_peer(rank: int, world: int, store: Any, timeout_s: float) -> float:
 @pytest.mark.timeout(120)
 def test_dead_peer_errors_within_timeout() -> None:
     timeout_s = 6.0
-    took = run_ranks(_dead_peer, 2, timeout_s, timeout=100, expect_dead=[1])[0]
+    took = run_torch_ranks(_dead_peer, 2, args=(timeout_s,), timeout=100, expect_dead=[1])[0]
     assert took < timeout_s + 3.0, took

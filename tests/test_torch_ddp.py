@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from test_torch_harness import join_cgx_with_gloo, run_ranks
+from torch_helpers import join_cgx_with_gloo, run_torch_ranks
 
 STEPS = 3
 
@@ -143,7 +143,7 @@ def _ddp_job(rank: int, world: int, store: Any) -> dict[str, Any]:
 
 @pytest.mark.timeout(200)
 def test_ddp_cgx_hook_against_gloo() -> None:
-    per_step = run_ranks(_ddp_job, 2, timeout=180)[0]
+    per_step = run_torch_ranks(_ddp_job, 2, timeout=180)[0]
     # 4 bits send far fewer bytes than 32 (about 6x on this model: biases stay fp32).
     assert per_step["cgx4"] * 4 < per_step["cgx32"], per_step
     assert per_step["cgx8"] < per_step["cgx32"]

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from test_torch_harness import join_cgx_with_gloo, run_ranks
+from torch_helpers import join_cgx_with_gloo, run_torch_ranks
 
 
 class _Net:
@@ -122,4 +122,4 @@ async def _await(sync: Any) -> None:
 
 @pytest.mark.timeout(150)
 def test_gradient_sync_matches_ddp() -> None:
-    run_ranks(_sync_job, 2, timeout=140)
+    run_torch_ranks(_sync_job, 2, timeout=140)

@@ -21,7 +21,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_torch_harness import join_cgx_with_gloo, run_ranks  # noqa: E402
+from torch_helpers import join_cgx_with_gloo, run_torch_ranks  # noqa: E402
 
 from cgx_ucx.compression.policies import Schedule  # noqa: E402
 from cgx_ucx.config import VALID_BITS, CompressionConfig  # noqa: E402
@@ -364,7 +364,7 @@ def _ddp_job(rank: int, world: int, store: Any) -> dict[str, Any]:
 
 @pytest.mark.timeout(150)
 def test_ddp_policies() -> None:
-    out = run_ranks(_ddp_job, 2, timeout=140)[0]
+    out = run_torch_ranks(_ddp_job, 2, timeout=140)[0]
     print({k: (v["bits"], v["bytes_per_step"]) for k, v in out.items()})
     static = out["static"]
     assert static["bits"] == [4, 32, 4, 32, 4, 32, 32, 32]
@@ -463,7 +463,7 @@ def _mirror(params: list[Any], model: Any, other: Any) -> list[Any]:
 
 @pytest.mark.timeout(150)
 def test_gradient_sync_policies() -> None:
-    out = run_ranks(_sync_job, 2, timeout=140)[0]
+    out = run_torch_ranks(_sync_job, 2, timeout=140)[0]
     print({k: (v["bits"], v["bytes_per_step"]) for k, v in out.items()})
     static = out["static"]
     assert static["bits"] == [4, 32, 4, 32, 4, 32, 32, 32] and static["decisions"] == 0
