@@ -40,10 +40,12 @@ from ..config import CompressionConfig
 from ..errors import ConfigError
 from ..layout import Layout
 from ._convert import is_float
+from .protocols import Communicator
 
 __all__ = [
     "DEFAULT_LOG_EVERY",
     "POLICY_NAMES",
+    "ModelLike",
     "PolicyRunner",
     "check_policy_args",
     "check_policy_name",
@@ -52,6 +54,10 @@ __all__ = [
 
 #: The policy names CGXState and GradientSync accept ("static" is the paper's setting).
 POLICY_NAMES = tuple(POLICIES)
+
+#: What ``model=`` takes: the module being trained, or its parameters (tensors, or
+#: ``(name, tensor)`` pairs as ``named_parameters()`` yields them).
+ModelLike = torch.nn.Module | Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 #: Steps between two measurements of the per-layer quantization error (and INFO logs of
 #: the assignment): a measurement samples at most 64 Ki values per compressed layer, a
@@ -81,7 +87,7 @@ def check_policy_args(
     return name, params, check_positive_int(log_every, "log_every", 0)
 
 
-def named_parameters(model: Any) -> list[tuple[str, torch.Tensor]]:
+def named_parameters(model: ModelLike) -> list[tuple[str, torch.Tensor]]:
     """``(name, parameter)`` of ``model`` that require grad, each parameter once.
 
     ``model`` is a module (a DDP wrapper too: its names then start with ``module.``),
@@ -137,7 +143,7 @@ class PolicyRunner:
         named: Sequence[tuple[str, torch.Tensor]],
         config: CompressionConfig,
         layer_min_size: int,
-        communicator: Any,
+        communicator: Communicator,
         *,
         world_size: int,
         timeout: float,

@@ -50,7 +50,13 @@ from ..errors import ConfigError
 from ..layout import Layout
 from ._convert import as_array
 from ._feedback import LayerFeedback, split_state
-from ._policy import DEFAULT_LOG_EVERY, PolicyRunner, check_policy_args, named_parameters
+from ._policy import (
+    DEFAULT_LOG_EVERY,
+    ModelLike,
+    PolicyRunner,
+    check_policy_args,
+    named_parameters,
+)
 from .backend import get_communicator
 from .futures import to_torch_future
 from .layers import PAPER_DEFAULTS, bucket_seed, layer_layout, wire_bytes
@@ -119,7 +125,7 @@ class CGXState:
         communicator: Communicator | None = None,
         policy: str = "static",
         policy_params: Mapping[str, Any] | None = None,
-        model: Any = None,
+        model: ModelLike | None = None,
         log_every: int = DEFAULT_LOG_EVERY,
     ) -> None:
         # -- tuned by the user
