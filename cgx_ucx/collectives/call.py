@@ -13,18 +13,27 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from ..errors import CGXError, CollectiveMismatchError, ProtocolError
-from ..transport.frames import Algo, Coll, Frame, Kind, Op, dtype_from_code
+from ..errors import CGXError, CollectiveMismatchError, ConfigError, ProtocolError
+from ..transport.frames import Algo, Coll, Frame, Kind, Op, dtype_code, dtype_from_code
 from ..transport.mesh import MAX_SLOTS
+from .piece_codec import CodecRunner
+from .staging import BufferPool, byte_view
+from .transport import Transport
 
-if TYPE_CHECKING:
-    from .communicator import Communicator
-
-__all__ = ["PH_DATA", "PH_GATHER", "PH_SIG", "Call", "gather_or_cancel"]
+__all__ = [
+    "PH_DATA",
+    "PH_GATHER",
+    "PH_SIG",
+    "Call",
+    "cancel_pending",
+    "describe",
+    "gather_or_cancel",
+    "make_template",
+]
 
 #: Phase 1: signatures (and, for SRA, the scatter pieces).
 PH_SIG = 1
@@ -85,14 +94,53 @@ def describe(frame: Frame) -> str:
     return ", ".join(parts) + ")"
 
 
-class Call:
-    """State of one collective on this rank."""
+def make_template(coll: Coll, x: Any, **fields: Any) -> Frame:
+    """The signature frame of a collective on the flat array ``x`` (job, seq and src are
+    filled in by the communicator); ConfigError for a dtype the wire cannot name."""
+    try:
+        dt = dtype_code(x.dtype)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return Frame(kind=Kind.DATA, job=0, collective=coll, dtype=dt, numel=int(x.size), **fields)
 
-    def __init__(self, comm: Communicator, seq: int, name: str) -> None:
-        self.comm = comm
-        self.mesh = comm._mesh
+
+async def cancel_pending(tasks: Iterable[asyncio.Future]) -> None:
+    """Cancel the tasks not done yet and wait until they are; the failures of those done
+    already are retrieved (asyncio would log them as never retrieved)."""
+    pending = []
+    for t in tasks:
+        if not t.done():
+            t.cancel()
+            pending.append(t)
+        elif not t.cancelled():
+            t.exception()
+    if pending:
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+class Call:
+    """State of one collective on this rank, and the collaborators it runs with.
+
+    ``transport`` moves the frames, ``pool`` lends staging memory (given back only after
+    success: UCX may still own it otherwise), ``codec`` runs piece encoding/decoding;
+    ``seq`` numbers the collective, ``name`` names it in errors and statistics.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        pool: BufferPool,
+        codec: CodecRunner,
+        seq: int,
+        name: str,
+    ) -> None:
+        self.transport = transport
+        self.pool = pool
+        self.codec = codec
         self.seq = seq
         self.name = name
+        self.rank = transport.rank
+        self.world_size = transport.world_size
         loop = asyncio.get_running_loop()
         self.abort: asyncio.Future = loop.create_future()
         self.abort.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -102,14 +150,15 @@ class Call:
 
     # -- staging ----------------------------------------------------------------------
     def take(self, nbytes: int, like: Any) -> Any:
-        buf = self.comm._pool.take(nbytes, like)
+        """``nbytes`` of staging on ``like``'s device, held until :meth:`give_back_all`."""
+        buf = self.pool.take(nbytes, like)
         self._taken.append(buf)
         return buf
 
     def give_back_all(self) -> None:
         """Return staging to the pool (only after success: UCX may still own it otherwise)."""
         for buf in self._taken:
-            self.comm._pool.give(buf)
+            self.pool.give(buf)
         self._taken.clear()
 
     # -- frames -----------------------------------------------------------------------
@@ -125,31 +174,29 @@ class Call:
 
     async def send(self, peer: int, phase: int, slot: int, payload: Any, count: int) -> None:
         nbytes = 0 if payload is None else int(payload.nbytes)
-        await self.mesh.send_frame(
+        await self.transport.send_frame(
             peer, self.frame(phase, slot, nbytes, count), payload if nbytes else None, self.extra
         )
 
     async def recv_header(self, peer: int, phase: int, slot: int, first: bool = False) -> Frame:
         """Receive the header of (phase, slot) from ``peer``; later ones must match exactly."""
-        frame = await self.mesh.recv_frame(peer, self.seq, phase, slot, self.extra)
+        frame = await self.transport.recv_frame(peer, self.seq, phase, slot, self.extra)
         assert self.template is not None
         if not first and frame.signature != self.template.signature:
             err = ProtocolError(
                 f"rank {peer} changed the signature of collective #{self.seq} mid-way"
             )
-            self.mesh.lose(peer, err)
+            self.transport.lose(peer, err)
             raise err
         return frame
 
     async def recv_payload(self, peer: int, frame: Frame, buf: Any) -> None:
-        from .arrays import byte_view
-
-        await self.mesh.recv_payload(peer, frame, byte_view(buf), self.extra)
+        await self.transport.recv_payload(peer, frame, byte_view(buf), self.extra)
 
     def mismatch(self, peer: int, frame: Frame) -> str:
         assert self.template is not None
         return (
-            f"rank {peer} called {describe(frame)} while rank {self.mesh.rank} called "
+            f"rank {peer} called {describe(frame)} while rank {self.rank} called "
             f"{describe(self.template)}"
         )
 
@@ -160,10 +207,10 @@ class Call:
         frame = first
         for slot in range(max(first.count, 1)):
             if slot:
-                frame = await self.mesh.recv_frame(peer, self.seq, phase, slot, self.extra)
+                frame = await self.transport.recv_frame(peer, self.seq, phase, slot, self.extra)
             if frame.payload:
                 sink = np.empty(frame.payload, np.uint8)
-                await self.mesh.recv_payload(peer, frame, sink, self.extra)
+                await self.transport.recv_payload(peer, frame, sink, self.extra)
 
     async def check_first(self, peer: int, frame: Frame) -> str | None:
         """None when ``frame`` matches our signature; else drain the peer and describe it."""
@@ -181,7 +228,7 @@ class Call:
 
     async def exchange_signatures(self) -> None:
         """Phase 1 for every collective but SRA allreduce: SIG frames all-to-all."""
-        peers = list(self.mesh.peers)
+        peers = list(self.transport.peers)
         problems: list[str] = []
 
         async def one(p: int) -> None:
@@ -191,7 +238,7 @@ class Call:
                 problems.append(problem)
 
         sends = [
-            self.mesh.send_frame(p, self.frame(PH_SIG, 0, 0, 1, Kind.SIG), None, self.extra)
+            self.transport.send_frame(p, self.frame(PH_SIG, 0, 0, 1, Kind.SIG), None, self.extra)
             for p in peers
         ]
         await gather_or_cancel([*sends, *(one(p) for p in peers)])

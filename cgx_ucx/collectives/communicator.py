@@ -17,12 +17,11 @@ import collections
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-import numpy as np
-
-from ..config import NO_COMPRESSION_BITS, CommConfig, resolve_comm
+from ..config import CommConfig, resolve_comm
 from ..errors import (
     CGXError,
     CGXTimeoutError,
@@ -33,21 +32,25 @@ from ..errors import (
     TransportError,
 )
 from ..layout import Layout
-from ..transport.frames import MIXED_BITS, AbortCode, Algo, Coll, Frame, Kind, Op, dtype_code
-from ..transport.mesh import MAX_SLOTS, Mesh, TransportStats
+from ..transport.frames import AbortCode, Frame
+from ..transport.mesh import Mesh
 from ..transport.rendezvous import env_store
-from .allreduce import AllreduceSpec, ring, sra
-from .arrays import CODEC_DTYPES, BufferPool, CodecRunner, as_flat, byte_view, synchronize
-from .call import PH_DATA, Call, gather_or_cancel
-from .plan import PIECE_BYTES, make_plan
+from .allgather import prepare_allgather, run_allgather
+from .allreduce import prepare_allreduce, run_allreduce
+from .barrier import prepare_barrier, run_barrier
+from .broadcast import prepare_broadcast, run_broadcast
+from .call import Call
+from .piece_codec import CodecRunner
+from .staging import BufferPool
+from .transport import Transport
 
 __all__ = ["CommStats", "Communicator", "connect"]
 
 log = logging.getLogger("cgx_ucx")
 
-#: World sizes up to this use SRA under algorithm="auto": on one host or a few nodes
-#: its two communication steps beat the ring's 2(N-1); CGX used SRA within a node.
-SRA_MAX_WORLD = 8
+S = TypeVar("S")
+R = TypeVar("R")
+
 #: Early ABORT frames (for collectives this rank has not started yet) kept at most.
 MAX_EARLY_ABORTS = 1024
 
@@ -97,14 +100,20 @@ async def connect(
     mesh = await Mesh.connect(
         store, int(rank), int(world_size), config, prefix, host, data_error_handling
     )
+    _share_codec_threads(len(mesh.local_ranks))
     return Communicator(mesh, config)
 
 
 class Communicator:
-    """A connected group of ranks. Create with :func:`connect`; close with :meth:`close`."""
+    """A connected group of ranks. Create with :func:`connect`; close with :meth:`close`.
 
-    def __init__(self, mesh: Mesh, config: CommConfig) -> None:
-        self._mesh = mesh
+    ``transport`` is the connected :class:`~.transport.Transport` (a UCX
+    :class:`~cgx_ucx.transport.mesh.Mesh` from :func:`connect`); the communicator owns it
+    from here on and closes it in :meth:`close`.
+    """
+
+    def __init__(self, transport: Transport, config: CommConfig) -> None:
+        self._mesh = transport
         self._config = config
         self._seq = 1  # 0 is the connection handshake
         self._calls: dict[int, Call] = {}
@@ -113,8 +122,7 @@ class Communicator:
         self._codec = CodecRunner()
         self._closed = False
         self._loop = asyncio.get_running_loop()
-        mesh.on_abort = self._on_abort
-        _share_codec_threads(len(mesh.local_ranks))
+        transport.on_abort = self._on_abort
 
     # -- properties ---------------------------------------------------------------------
     @property
@@ -139,8 +147,13 @@ class Communicator:
         return self._loop
 
     @property
+    def transport(self) -> Transport:
+        """The message layer underneath (for benchmarks and diagnostics)."""
+        return self._mesh
+
+    @property
     def stats(self) -> CommStats:
-        s: TransportStats = self._mesh.stats
+        s = self._mesh.stats
         return CommStats(
             s.bytes_sent,
             s.bytes_received,
@@ -191,14 +204,21 @@ class Communicator:
             while len(self._early) > MAX_EARLY_ABORTS:
                 self._early.popitem(last=False)
 
-    async def _collective(self, name: str, coll: Coll, prepare: Any, body: Any) -> Any:
+    async def _collective(
+        self,
+        name: str,
+        prepare: Callable[[], tuple[Frame, S]],
+        body: Callable[[Call, S], Awaitable[R]],
+    ) -> R:
+        """Number the call, run ``prepare`` (argument checks: its errors abort the peers
+        too) and then ``body``; on failure tell the peers, on success recycle staging."""
         if asyncio.get_running_loop() is not self._loop:
             raise TransportError("a communicator must be used from the event loop that created it")
         if self._closed:
             raise TransportError("the communicator is closed")
         seq = self._seq
         self._seq += 1
-        call = Call(self, seq, name)
+        call = Call(self._mesh, self._pool, self._codec, seq, name)
         self._calls[seq] = call
         early = self._early.pop(seq, None)
         if early is not None:
@@ -246,13 +266,6 @@ class Communicator:
         except Exception as err:
             log.debug("abort notification failed: %s", err)
 
-    def _template(self, coll: Coll, x: Any, **fields: Any) -> Frame:
-        try:
-            dt = dtype_code(x.dtype)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        return Frame(kind=Kind.DATA, job=0, collective=coll, dtype=dt, numel=int(x.size), **fields)
-
     # -- collectives --------------------------------------------------------------------
     async def allreduce(
         self,
@@ -276,179 +289,48 @@ class Communicator:
         8 ranks). Stochastic rounding is seeded by (seed, sequence number, rank, layer).
         """
 
-        def prepare() -> tuple[Frame, tuple[Any, AllreduceSpec]]:
-            flat = as_flat(x)
-            if op not in ("sum", "avg"):
-                raise ConfigError(f"op must be 'sum' or 'avg', got {op!r}")
-            lay = layout
-            if lay is None:
-                lay = Layout.uniform(
-                    flat.size, NO_COMPRESSION_BITS if bits is None else bits, bucket_size
-                )
-            elif bits is not None:
-                raise ConfigError("give either layout= or bits=, not both")
-            if not isinstance(lay, Layout):
-                raise ConfigError(f"layout must be a cgx_ucx.Layout, got {type(lay).__name__}")
-            lay.check(flat.size)
-            dtype = np.dtype(flat.dtype)
-            compressed = lay.compressed
-            if compressed and dtype not in CODEC_DTYPES:
-                raise ConfigError(
-                    f"compression needs float32/float16/bfloat16 values, got {dtype}; "
-                    "use bits=32 for this buffer"
-                )
-            if dtype == np.bool_ or (dtype.kind not in "fiu" and dtype not in CODEC_DTYPES):
-                raise ConfigError(f"allreduce cannot sum {dtype} values")
-            avg = op == "avg"
-            if avg and dtype.kind in "iu":
-                raise ConfigError("op='avg' needs floating-point values")
-            algo = algorithm
-            if algo == "auto":
-                algo = "sra" if self.world_size <= SRA_MAX_WORLD else "ring"
-            if algo not in ("sra", "ring"):
-                raise ConfigError(f"algorithm must be 'auto', 'sra' or 'ring', got {algorithm!r}")
-            if not isinstance(seed, int) or not 0 <= seed < 2**64:
-                raise ConfigError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-            raw = not compressed
-            if raw:
-                acc_dtype = (
-                    dtype if dtype.kind in "iu" or dtype.itemsize >= 4 else np.dtype(np.float32)
-                )
-            else:
-                acc_dtype = np.dtype(np.float32)
-            inplace = raw and acc_dtype == dtype
-            piece_numel = max(PIECE_BYTES // dtype.itemsize, 1)
-            slots = MAX_SLOTS // max(self.world_size - 1, 1) if algo == "ring" else MAX_SLOTS
-            plan = make_plan(lay, self.world_size, piece_numel, slots)
-            spec = AllreduceSpec(
-                plan, raw, avg, np.dtype(acc_dtype), inplace, bool(stochastic), seed
-            )
-            layer_bits = {s.bits for s in lay.layers if s.numel}
-            uniform = (
-                layer_bits.pop()
-                if len(layer_bits) == 1
-                else (NO_COMPRESSION_BITS if not layer_bits else MIXED_BITS)
-            )
-            template = self._template(
-                Coll.ALLREDUCE,
-                flat,
-                reduce_op=Op.AVG if avg else Op.SUM,
-                bits=uniform,
-                algorithm=Algo.SRA if algo == "sra" else Algo.RING,
-                flags=1 if stochastic and compressed else 0,
-                digest=lay.digest,
-            )
-            return template, (flat, spec)
-
-        async def body(call: Call, state: tuple[Any, AllreduceSpec]) -> Any:
-            flat, spec = state
-            if self.world_size == 1:
-                # Sum and average of one buffer are the buffer; compressed layers still
-                # go through one quantization, as they would with more ranks.
-                if not spec.raw:
-                    _self_requantize(call, flat, spec)
-                return x
-            if call.template is not None and call.template.algorithm == Algo.RING:
-                await ring(call, flat, spec)
-            else:
-                await sra(call, flat, spec)
-            return x
-
-        return await self._collective("allreduce", Coll.ALLREDUCE, prepare, body)
+        await self._collective(
+            "allreduce",
+            lambda: prepare_allreduce(
+                x,
+                op,
+                world_size=self.world_size,
+                layout=layout,
+                bits=bits,
+                bucket_size=bucket_size,
+                algorithm=algorithm,
+                stochastic=stochastic,
+                seed=seed,
+            ),
+            run_allreduce,
+        )
+        return x
 
     async def broadcast(self, x: Any, root: int = 0) -> Any:
         """Copy ``root``'s ``x`` into every rank's ``x`` (same shape and dtype everywhere)."""
-
-        def prepare() -> tuple[Frame, Any]:
-            flat = as_flat(x)
-            if not isinstance(root, int) or not 0 <= root < self.world_size:
-                raise ConfigError(f"root must be a rank in 0..{self.world_size - 1}, got {root!r}")
-            return self._template(Coll.BROADCAST, flat, algorithm=Algo.DIRECT, digest=root), flat
-
-        async def body(call: Call, flat: Any) -> Any:
-            await call.exchange_signatures()
-            data = byte_view(flat)
-            pieces = _byte_pieces(data.size)
-            if self.rank == root:
-                synchronize(flat)
-                await gather_or_cancel(
-                    call.send(p, PH_DATA, k, data[a:b], len(pieces))
-                    for k, (a, b) in enumerate(pieces)
-                    for p in self._mesh.peers
-                )
-            else:
-                for k, (a, b) in enumerate(pieces):
-                    frame = await call.recv_header(root, PH_DATA, k)
-                    await call.recv_payload(root, frame, data[a:b])
-            return x
-
-        return await self._collective("broadcast", Coll.BROADCAST, prepare, body)
+        await self._collective(
+            "broadcast", lambda: prepare_broadcast(x, root, self.world_size), run_broadcast
+        )
+        return x
 
     async def allgather(self, x: Any, out: Any = None) -> Any:
         """Every rank's ``x`` into ``out[rank]`` on every rank; ``out`` shape (world, *x.shape)."""
-
-        def prepare() -> tuple[Frame, Any]:
-            flat = as_flat(x)
-            dst = out
-            if dst is None:
-                from .arrays import xp_of
-
-                dst = xp_of(x).empty((self.world_size, *x.shape), x.dtype)
-            if tuple(dst.shape) != (self.world_size, *x.shape) or dst.dtype != x.dtype:
-                raise ConfigError(
-                    f"out must have shape {(self.world_size, *x.shape)} and dtype {x.dtype}, "
-                    f"got {tuple(dst.shape)} {dst.dtype}"
-                )
-            rows = as_flat(dst, "out").reshape(self.world_size, -1)
-            return self._template(Coll.ALLGATHER, flat, algorithm=Algo.DIRECT), (flat, rows, dst)
-
-        async def body(call: Call, state: Any) -> Any:
-            flat, rows, dst = state
-            await call.exchange_signatures()
-            rows[self.rank] = flat
-            data = byte_view(flat)
-            pieces = _byte_pieces(data.size)
-            synchronize(flat)
-
-            async def recv_from(p: int) -> None:
-                row = byte_view(rows[p])
-                for k, (a, b) in enumerate(pieces):
-                    frame = await call.recv_header(p, PH_DATA, k)
-                    await call.recv_payload(p, frame, row[a:b])
-
-            await gather_or_cancel(
-                [
-                    *(
-                        call.send(p, PH_DATA, k, data[a:b], len(pieces))
-                        for k, (a, b) in enumerate(pieces)
-                        for p in self._mesh.peers
-                    ),
-                    *(recv_from(p) for p in self._mesh.peers),
-                ]
-            )
-            return dst
-
-        return await self._collective("allgather", Coll.ALLGATHER, prepare, body)
+        return await self._collective(
+            "allgather", lambda: prepare_allgather(x, out, self.world_size), run_allgather
+        )
 
     async def barrier(self) -> None:
         """Return once every rank has entered the barrier."""
-
-        def prepare() -> tuple[Frame, Any]:
-            return Frame(kind=Kind.DATA, job=0, collective=Coll.BARRIER), None
-
-        async def body(call: Call, _: Any) -> None:
-            await call.exchange_signatures()
-
-        await self._collective("barrier", Coll.BARRIER, prepare, body)
+        await self._collective("barrier", prepare_barrier, run_barrier)
 
 
 def _share_codec_threads(local_ranks: int) -> None:
     """Give the CPU codec ``cores // local ranks`` threads, unless someone chose already.
 
     A parallel Numba kernel waits for its slowest thread; with several ranks per host
-    each running all-core kernels, threads wait for time slices: measured on 2 cores,
-    2 ranks, a 64 MiB 4-bit allreduce took 380 ms with 2 codec threads per rank and
-    45 ms with 1.
+    each running all-core kernels, the threads oversubscribe the cores and wait for time
+    slices, which made a large 4-bit allreduce several times slower than one thread per
+    rank (see benchmarks/results/ for the codec-thread runs).
     """
     try:
         from ..compression import cpu
@@ -464,24 +346,3 @@ def _share_codec_threads(local_ranks: int) -> None:
     threads = max(1, min(cores // max(local_ranks, 1), limit))
     cpu.set_num_threads(threads)
     log.info("codec threads per rank: %d (%d cores, %d ranks here)", threads, cores, local_ranks)
-
-
-def _byte_pieces(nbytes: int) -> list[tuple[int, int]]:
-    """[start, stop) byte ranges of at most PIECE_BYTES each (one empty range for 0)."""
-    if nbytes == 0:
-        return [(0, 0)]
-    count = min(-(-nbytes // PIECE_BYTES), MAX_SLOTS)
-    step = -(-nbytes // count)
-    return [(a, min(a + step, nbytes)) for a in range(0, nbytes, step)]
-
-
-def _self_requantize(call: Call, flat: Any, spec: AllreduceSpec) -> None:
-    """World size 1: the result is the quantized input (what N ranks would produce)."""
-    from .allreduce import _requantize
-
-    for chunk in spec.plan.chunks:
-        for piece in chunk.pieces:
-            acc = flat[piece.start : piece.stop].astype(np.float32)
-            buf = call.take(piece.wire_nbytes(flat.dtype), flat)
-            _requantize(acc, piece.start, piece, buf, flat, flat.dtype, spec, call.seq, 0)
-    synchronize(flat)

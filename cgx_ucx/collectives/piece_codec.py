@@ -1,0 +1,149 @@
+"""The codec applied to pipeline pieces, and where that work runs.
+
+A piece (:class:`~.plan.Piece`) is a run of segments, each a part of one layer with its
+own bits and bucket size; its wire form is the segments' encodings back to back (each
+carries its own header, so a payload is self-describing). :class:`CodecRunner` runs
+small pieces inline on the event loop and large ones on one codec thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import numpy as np
+
+from ..compression import decode, decode_add, encode
+from .plan import Piece
+
+__all__ = [
+    "CODEC_INLINE_NUMEL",
+    "CodecRunner",
+    "decode_add_piece",
+    "decode_piece",
+    "encode_piece",
+    "mix_seed",
+    "requantize_piece",
+]
+
+T = TypeVar("T")
+
+#: Pieces smaller than this run the codec inline on the event loop; larger ones on the
+#: communicator's codec thread, so the loop keeps driving UCX while a piece is encoded
+#: (the kernels release the GIL). 256 Ki values: a fraction of a millisecond of 4-bit
+#: encoding, the order of a thread hand-off.
+CODEC_INLINE_NUMEL = 1 << 18
+
+
+class CodecRunner:
+    """Runs codec work for pieces: small ones inline, large ones on one codec thread."""
+
+    def __init__(self) -> None:
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    async def run(self, numel: int, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, for a piece of ``numel`` values."""
+        if numel < CODEC_INLINE_NUMEL:
+            return fn(*args)
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cgx-codec")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+
+def mix_seed(*parts: int) -> int:
+    """A 64-bit seed from (seed, sequence, rank, layer, offset): splitmix64 chaining."""
+    h = 0x9E3779B97F4A7C15
+    mask = (1 << 64) - 1
+    for p in parts:
+        h = (h ^ (p & mask)) & mask
+        h = (h + 0x9E3779B97F4A7C15) & mask
+        z = h
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        h = z ^ (z >> 31)
+    return h
+
+
+def encode_piece(
+    src: Any,
+    base: int,
+    piece: Piece,
+    out: Any,
+    stochastic: bool,
+    seed: int,
+    seq: int,
+    rank: int,
+    raw_src: Any = None,
+    raw_base: int = 0,
+) -> Any:
+    """Encode values [piece.start, piece.stop) of ``src`` (which starts at ``base``).
+
+    Uncompressed segments are taken from ``raw_src`` when given (the owner's reduced
+    values already written back to the caller's buffer, in its dtype).
+    """
+    pos = 0
+    for seg in piece.segments:
+        if seg.bits == 32 and raw_src is not None:
+            part = raw_src[seg.start - raw_base : seg.stop - raw_base]
+        else:
+            part = src[seg.start - base : seg.stop - base]
+        n = seg.wire_nbytes(part.dtype)
+        s = mix_seed(seed, seq, rank, seg.layer, seg.start) if stochastic else 0
+        encode(
+            part,
+            seg.bits,
+            seg.bucket_size,
+            out=out[pos : pos + n],
+            stochastic=stochastic and seg.bits != 32,
+            seed=s,
+        )
+        pos += n
+    return out[:pos]
+
+
+def decode_add_piece(buf: Any, piece: Piece, acc: Any, base: int, dtype: np.dtype) -> None:
+    """acc[piece] += decode(buf) segment by segment (acc float32, starting at ``base``)."""
+    pos = 0
+    for seg in piece.segments:
+        n = seg.wire_nbytes(dtype)
+        decode_add(buf[pos : pos + n], acc[seg.start - base : seg.stop - base])
+        pos += n
+
+
+def decode_piece(buf: Any, piece: Piece, out: Any, base: int, dtype: np.dtype) -> None:
+    """out[piece] = decode(buf) segment by segment (out starting at ``base``)."""
+    pos = 0
+    for seg in piece.segments:
+        n = seg.wire_nbytes(dtype)
+        decode(buf[pos : pos + n], out=out[seg.start - base : seg.stop - base])
+        pos += n
+
+
+def requantize_piece(
+    acc: Any,
+    base: int,
+    piece: Piece,
+    buf: Any,
+    x: Any,
+    stochastic: bool,
+    seed: int,
+    seq: int,
+    rank: int,
+) -> Any:
+    """The owner of a reduced piece: quantize it once (into ``buf``) and decode it into its
+    own buffer ``x`` too, so its replica equals what every peer decodes; returns the wire
+    bytes. ``acc`` (float32, starting at ``base``) holds the reduced values; uncompressed
+    segments must already be written back to ``x``, and are sent from there.
+    """
+    payload = encode_piece(
+        acc, base, piece, buf, stochastic, seed, seq, rank, raw_src=x, raw_base=0
+    )
+    decode_piece(payload, piece, x, 0, x.dtype)
+    return payload

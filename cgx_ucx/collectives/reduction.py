@@ -1,0 +1,141 @@
+"""What one allreduce is asked to do (:class:`AllreduceSpec`) and the per-piece steps its
+algorithms share (:class:`PieceSteps`): encode a piece for the wire, add a received piece
+into an accumulator, and turn a reduced piece into the caller's result plus the bytes
+every peer decodes.
+
+Two paths, chosen per call by the layout:
+
+- raw (every layer uncompressed): the caller's memory goes to UCX as is (a byte view, no
+  staging, no copy); received pieces are added with the array module's ``add``.
+- compressed: pieces are encoded into staging by the codec (inline or on the codec thread,
+  :class:`~.piece_codec.CodecRunner`); received pieces are dequantize-added into a float32
+  accumulator by one fused kernel.
+
+The owner of a reduced piece quantizes it once and decodes those bytes into its own
+buffer too, so every replica ends bit-identical (:func:`~.piece_codec.requantize_piece`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..arrays import xp_of
+from ..transport.frames import Algo, Frame
+from .call import Call
+from .piece_codec import decode_piece, encode_piece, requantize_piece
+from .plan import Piece, Plan
+from .staging import byte_view, synchronize
+
+__all__ = ["AllreduceSpec", "PieceSteps"]
+
+
+@dataclass(frozen=True)
+class AllreduceSpec:
+    """An allreduce, validated: how the buffer is cut and how its pieces are reduced."""
+
+    plan: Plan
+    raw: bool  # every layer uncompressed: no codec, zero-copy sends
+    avg: bool
+    acc_dtype: np.dtype  # accumulator dtype
+    inplace: bool  # raw path accumulating straight into the caller's buffer
+    stochastic: bool
+    seed: int
+    algorithm: Algo = Algo.SRA
+
+
+class PieceSteps:
+    """The per-piece operations of an allreduce of the flat array ``x`` on one rank."""
+
+    def __init__(self, call: Call, x: Any, spec: AllreduceSpec) -> None:
+        self.call = call
+        self.codec = call.codec
+        self.x = x
+        self.spec = spec
+        self.plan = spec.plan
+        self.dtype = x.dtype
+        self.xp = xp_of(x)
+        self.rank = call.rank
+        self.n_world = call.world_size
+
+    def payload_nbytes(self, piece: Piece) -> int:
+        """Bytes of ``piece`` on the wire."""
+        if self.spec.raw:
+            return piece.numel * self.dtype.itemsize
+        return piece.wire_nbytes(self.dtype)
+
+    @staticmethod
+    def view(src: Any, base: int, piece: Piece) -> Any:
+        """Raw path: the bytes of ``piece`` in ``src`` (which starts at ``base``), no copy."""
+        return byte_view(src[piece.start - base : piece.stop - base])
+
+    async def encode(
+        self, src: Any, base: int, piece: Piece, raw_src: Any = None, raw_base: int = 0
+    ) -> Any:
+        """Compressed path: ``piece`` of ``src`` (starting at ``base``) encoded into staging;
+        uncompressed segments from ``raw_src`` (starting at ``raw_base``) when given."""
+        spec = self.spec
+        buf = self.call.take(piece.wire_nbytes(self.dtype), self.x)
+        out = await self.codec.run(
+            piece.numel,
+            encode_piece,
+            src,
+            base,
+            piece,
+            buf,
+            spec.stochastic,
+            spec.seed,
+            self.call.seq,
+            self.rank,
+            raw_src,
+            raw_base,
+        )
+        synchronize(out)
+        return out
+
+    def add_raw(self, a: Any, buf: Any, piece: Piece) -> None:
+        """Raw path: ``a`` (the accumulator's slice for ``piece``) += received bytes."""
+        self.xp.add(a, buf.view(self.dtype) if piece.numel else buf[:0].view(self.dtype), out=a)
+
+    def raw_result(self, piece: Piece, a: Any, acc_is_x: bool) -> Any:
+        """Raw path: the reduced ``a`` written into the caller's buffer; its bytes."""
+        x = self.x
+        if not acc_is_x:
+            x[piece.start : piece.stop] = a
+        return byte_view(x[piece.start : piece.stop])
+
+    async def requantize(self, piece: Piece, acc: Any, base: int) -> Any:
+        """Compressed path: the reduced piece (in ``acc``, starting at ``base``) quantized
+        once and decoded into the caller's buffer; returns the wire bytes."""
+        x, spec = self.x, self.spec
+        for seg in piece.segments:
+            if seg.bits == 32:
+                x[seg.start : seg.stop] = acc[seg.start - base : seg.stop - base]
+        buf = self.call.take(piece.wire_nbytes(self.dtype), x)
+        return await self.codec.run(
+            piece.numel,
+            requantize_piece,
+            acc,
+            base,
+            piece,
+            buf,
+            x,
+            spec.stochastic,
+            spec.seed,
+            self.call.seq,
+            self.rank,
+        )
+
+    async def recv_result(self, peer: int, frame: Frame, piece: Piece) -> Any:
+        """Receive a reduced piece from ``peer`` into the caller's buffer; returns what
+        arrived (the buffer's slice on the raw path, the wire bytes otherwise)."""
+        if self.spec.raw:
+            dst = self.x[piece.start : piece.stop]
+            await self.call.recv_payload(peer, frame, dst)
+            return dst
+        buf = self.call.take(piece.wire_nbytes(self.dtype), self.x)
+        await self.call.recv_payload(peer, frame, buf)
+        await self.codec.run(piece.numel, decode_piece, buf, piece, self.x, 0, self.dtype)
+        return buf

@@ -1,0 +1,197 @@
+"""Scatter-reduce-allgather (SRA) allreduce (CGX, Markov et al. 2022; DESIGN.md "Data path").
+
+On rank r of N:
+
+1. The buffer is cut into N chunks on allowed boundaries (:mod:`.plan`); chunk i belongs
+   to rank i. Each chunk is cut into pieces (one message each, pipelined).
+2. Scatter (:meth:`Sra.scatter_send`): r quantizes every piece of every peer's chunk and
+   sends it to that peer; the first piece to each peer carries r's signature (numel,
+   dtype, op, layout, bits).
+3. Reduce (:meth:`Sra.reduce_and_gather`): once every peer's signature matched
+   (:meth:`Sra.scatter_recv`), r adds the pieces it receives for its own chunk into an
+   accumulator (fused dequantize-add), peers in rank order so the result does not depend
+   on arrival order.
+4. Allgather: r quantizes each reduced piece once, decodes it into its *own* buffer too,
+   and sends the same bytes to every peer, which decode them into theirs
+   (:meth:`Sra.gather_recv`): every replica ends bit-identical. Pieces go out as soon as
+   they are reduced (steps 3 and 4 overlap).
+
+Uncompressed layouts send the caller's memory as is (no staging, no copy) and reduce in
+place for float32/float64/integer buffers, so integer sums and exactly representable
+float sums equal NumPy's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ..errors import ProtocolError
+from ..transport.frames import Frame
+from .call import PH_DATA, PH_SIG, Call, cancel_pending, gather_or_cancel
+from .piece_codec import decode_add_piece
+from .reduction import AllreduceSpec, PieceSteps
+from .staging import synchronize
+
+__all__ = ["Sra", "sra"]
+
+
+async def sra(call: Call, x: Any, spec: AllreduceSpec) -> None:
+    """Scatter-reduce-allgather allreduce of the flat array ``x``, in place."""
+    await Sra(call, x, spec).run()
+
+
+def _consumed(f: asyncio.Future) -> Any:
+    return f.cancelled() or f.exception()
+
+
+class _Streams:
+    """Futures for pieces arriving from peers, filled by one receiving task per peer."""
+
+    def __init__(self) -> None:
+        self.futs: dict[tuple[int, int], asyncio.Future] = {}
+
+    def fut(self, peer: int, k: int) -> asyncio.Future:
+        f = self.futs.get((peer, k))
+        if f is None:
+            f = self.futs[(peer, k)] = asyncio.get_running_loop().create_future()
+            f.add_done_callback(_consumed)
+        return f
+
+    def fail_peer(self, peer: int, exc: BaseException) -> None:
+        for (p, _), f in self.futs.items():
+            if p == peer and not f.done():
+                f.set_exception(exc)
+
+
+class Sra(PieceSteps):
+    """One SRA allreduce on this rank: its tasks share the state kept here."""
+
+    def __init__(self, call: Call, x: Any, spec: AllreduceSpec) -> None:
+        super().__init__(call, x, spec)
+        r, n_world = self.rank, self.n_world
+        self.own = self.plan.chunks[r]
+        #: Peers in send order (r+1, r+2, ...), so no rank is everyone's first target.
+        self.peers = [(r + i) % n_world for i in range(1, n_world)]
+        self.scatter = _Streams()
+        loop = asyncio.get_running_loop()
+        #: Per peer: True once its signature matched, False when it differed.
+        self.sig_futs = {p: loop.create_future() for p in self.peers}
+        for f in self.sig_futs.values():
+            f.add_done_callback(_consumed)
+        self.problems: list[str] = []
+        self.gather_tasks: list[asyncio.Future] = []
+
+    async def run(self) -> None:
+        try:
+            await gather_or_cancel(
+                [
+                    self.scatter_send(),
+                    *(self.scatter_recv(p) for p in self.peers),
+                    self.reduce_and_gather(),
+                ]
+            )
+            self.call.raise_mismatches(sorted(self.problems))
+            await gather_or_cancel(self.gather_tasks)
+        finally:
+            await cancel_pending(self.gather_tasks)
+        synchronize(self.x)
+
+    # -- step 2: scatter ---------------------------------------------------------------
+    async def scatter_send(self) -> None:
+        """Every piece of every peer's chunk to that peer, piece k to all before k+1."""
+        call, plan, x, raw = self.call, self.plan, self.x, self.spec.raw
+        sends = []
+        for k in range(plan.max_pieces):
+            for p in self.peers:
+                pieces = plan.chunks[p].pieces
+                if k >= len(pieces):
+                    continue
+                piece = pieces[k]
+                payload = self.view(x, 0, piece) if raw else await self.encode(x, 0, piece)
+                sends.append(asyncio.ensure_future(call.send(p, PH_SIG, k, payload, len(pieces))))
+        await gather_or_cancel(sends)
+
+    async def scatter_recv(self, p: int) -> None:
+        """The pieces of our chunk from peer ``p``, after checking its signature."""
+        call, pieces = self.call, self.own.pieces
+        try:
+            for k, piece in enumerate(pieces):
+                frame = await call.recv_header(p, PH_SIG, k, first=k == 0)
+                if k == 0 and not await self.accept_signature(p, frame):
+                    return
+                buf = call.take(self.payload_nbytes(piece), self.x)
+                await call.recv_payload(p, frame, buf)
+                self.scatter.fut(p, k).set_result(buf)
+        except BaseException as exc:
+            if not self.sig_futs[p].done():
+                self.sig_futs[p].set_exception(exc)
+            self.scatter.fail_peer(p, exc)
+            raise
+
+    async def accept_signature(self, p: int, frame: Frame) -> bool:
+        """Whether peer ``p`` called the same collective (if not, it is drained and noted)."""
+        problem = await self.call.check_first(p, frame)
+        if problem:
+            self.problems.append(problem)
+            self.sig_futs[p].set_result(False)
+            return False
+        expected = len(self.own.pieces)
+        if frame.count != expected:
+            raise ProtocolError(f"rank {p} sends {frame.count} pieces, {expected} expected")
+        self.sig_futs[p].set_result(True)
+        return True
+
+    # -- steps 3 and 4: reduce our chunk, allgather ---------------------------------------
+    def accumulator(self) -> Any:
+        """Where our chunk is reduced: the caller's buffer itself, or staging."""
+        own, spec = self.own, self.spec
+        if spec.inplace:
+            return self.x[own.start : own.stop]
+        acc_bytes = self.call.take(own.numel * spec.acc_dtype.itemsize, self.x)
+        acc = acc_bytes.view(spec.acc_dtype) if own.numel else self.xp.empty(0, spec.acc_dtype)
+        acc[...] = self.x[own.start : own.stop]
+        return acc
+
+    async def reduce_and_gather(self) -> None:
+        """Reduce each piece of our chunk in rank order, then send it to every peer."""
+        ok = await asyncio.gather(*self.sig_futs.values())
+        if not all(ok):
+            return
+        # All signatures matched: from here on we may write into the caller's buffer.
+        call, spec, own = self.call, self.spec, self.own
+        for p in self.peers:
+            self.gather_tasks.append(asyncio.ensure_future(self.gather_recv(p)))
+        acc = self.accumulator()
+        base, count = own.start, len(own.pieces)
+        ordered = sorted(self.peers)
+        for k, piece in enumerate(own.pieces):
+            a = acc[piece.start - base : piece.stop - base]
+            for p in ordered:
+                buf = await self.scatter.fut(p, k)
+                if spec.raw:
+                    self.add_raw(a, buf, piece)
+                else:
+                    await self.codec.run(
+                        piece.numel, decode_add_piece, buf, piece, acc, base, self.dtype
+                    )
+            if spec.avg:
+                self.xp.divide(a, self.n_world, out=a)
+            if spec.raw:
+                payload = self.raw_result(piece, a, spec.inplace)
+            else:
+                payload = await self.requantize(piece, acc, base)
+            synchronize(payload)
+            for p in self.peers:
+                self.gather_tasks.append(
+                    asyncio.ensure_future(call.send(p, PH_DATA, k, payload, count))
+                )
+
+    async def gather_recv(self, p: int) -> None:
+        """Peer ``p``'s reduced chunk, piece by piece, into the caller's buffer."""
+        pieces = self.plan.chunks[p].pieces
+        for k, piece in enumerate(pieces):
+            frame = await self.call.recv_header(p, PH_DATA, k)
+            if frame.count != len(pieces):
+                raise ProtocolError(f"rank {p} announced {frame.count} pieces")
+            await self.recv_result(p, frame, piece)
