@@ -1,0 +1,525 @@
+"""SRA and ring allreduce (and the other collectives) in ONE process, over an in-memory
+transport: fast, deterministic, no UCX.
+
+:class:`FakeTransport` implements :class:`cgx_ucx.collectives.transport.Transport` with
+asyncio queues keyed by (src, dst, tag), tag = (seq, phase, slot, payload?), as UCX tags
+are: every header is packed and validated (CRC, routing fields) as the real mesh does,
+every payload is copied at send time and received into a buffer of exactly the announced
+size. ABORT frames reach the other ranks' ``on_abort`` as control messages would.
+
+Results are checked against a float64 NumPy reference: exact for uncompressed sums of
+integer-valued data, within a stated quantization bound for compressed layouts; replicas
+must be bit-identical across the fake ranks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from cgx_ucx.collectives import Communicator, allreduce, broadcast, piece_codec
+from cgx_ucx.collectives.transport import Transport
+from cgx_ucx.compression import decode, encode
+from cgx_ucx.config import CommConfig
+from cgx_ucx.errors import (
+    CGXError,
+    CGXTimeoutError,
+    CollectiveMismatchError,
+    ConfigError,
+    ProtocolError,
+    TransportError,
+)
+from cgx_ucx.layout import LayerSpec, Layout
+from cgx_ucx.transport.frames import AbortCode, Frame, Kind
+from cgx_ucx.transport.mesh import TransportStats
+
+pytestmark = pytest.mark.timeout(60)
+
+CFG = CommConfig(timeout=60.0, connect_timeout=10.0)
+JOB = 0x5EED_CAFE
+#: Input bytes per piece in these tests: small, so a few thousand values make several
+#: pieces per chunk (the pipelined paths), as megabytes would with the default.
+SMALL_PIECE_BYTES = 1024
+
+
+# -- the fake transport -------------------------------------------------------------------
+
+
+class FakeNetwork:
+    """The wires between the fake ranks of one world: a queue per (src, dst, tag)."""
+
+    def __init__(self, world_size: int, timeout: float = 60.0) -> None:
+        self.queues: defaultdict[tuple[int, int, tuple[int, int, int, bool]], asyncio.Queue] = (
+            defaultdict(asyncio.Queue)
+        )
+        self.nodes = [FakeTransport(self, r, world_size, timeout) for r in range(world_size)]
+
+    def queue(self, src: int, dst: int, seq: int, phase: int, slot: int, payload: bool):
+        return self.queues[(src, dst, (seq & 0xFFFFFFFF, phase, slot, payload))]
+
+
+class FakeTransport:
+    """One rank's end of a :class:`FakeNetwork` (implements the Transport protocol)."""
+
+    def __init__(self, net: FakeNetwork, rank: int, world_size: int, timeout: float) -> None:
+        self.net = net
+        self.rank = rank
+        self.world_size = world_size
+        self.peers = [r for r in range(world_size) if r != rank]
+        self.job = JOB
+        self.closed = False
+        self.stats = TransportStats()
+        self.on_abort: Callable[[Frame, str], None] | None = None
+        self.timeout = timeout
+        self.failure: CGXError | None = None
+        self.failed: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.failed.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    def check(self) -> None:
+        if self.closed:
+            raise TransportError("the communicator is closed")
+        if self.failure is not None:
+            raise type(self.failure)(str(self.failure))
+
+    def lose(self, rank: int, exc: CGXError) -> None:
+        if self.failure is None:
+            self.failure = exc
+            self.failed.set_exception(exc)
+
+    async def _get(self, queue: asyncio.Queue, what: str, extra: Iterable[asyncio.Future]):
+        self.check()
+        extra = tuple(extra)
+        for f in extra:
+            if f.done():
+                raise f.exception()
+        if not queue.empty():
+            return queue.get_nowait()
+        get = asyncio.ensure_future(queue.get())
+        try:
+            await asyncio.wait(
+                {get, self.failed, *extra}, timeout=self.timeout, return_when="FIRST_COMPLETED"
+            )
+        finally:
+            if not get.done():
+                get.cancel()
+        if get.done() and not get.cancelled():
+            return get.result()
+        for f in extra:
+            if f.done():
+                raise f.exception()
+        self.check()
+        raise CGXTimeoutError(f"rank {self.rank}: {what} did not arrive", peer=None)
+
+    async def send_frame(
+        self, rank: int, frame: Frame, payload: Any = None, extra: Iterable[asyncio.Future] = ()
+    ) -> None:
+        self.check()
+        for f in extra:
+            if f.done():
+                raise f.exception()
+        key = (self.rank, rank, frame.seq, frame.phase, frame.slot)
+        self.net.queue(*key, False).put_nowait(frame.pack())
+        self.stats.messages_sent += 1
+        self.stats.bytes_sent += 64
+        if payload is not None and frame.payload:
+            data = np.array(payload, copy=True)  # the sender may reuse its buffer afterwards
+            assert data.dtype == np.uint8 and data.nbytes == frame.payload
+            self.net.queue(*key, True).put_nowait(data)
+            self.stats.messages_sent += 1
+            self.stats.bytes_sent += data.nbytes
+        await asyncio.sleep(0)  # a send completes later, as UCX's do
+
+    async def recv_frame(
+        self, rank: int, seq: int, phase: int, slot: int, extra: Iterable[asyncio.Future] = ()
+    ) -> Frame:
+        q = self.net.queue(rank, self.rank, seq, phase, slot, False)
+        raw = await self._get(q, f"header {seq}/{phase}/{slot} from {rank}", extra)
+        frame = Frame.unpack(raw, job=self.job)
+        if (frame.src, frame.seq, frame.phase, frame.slot) != (rank, seq, phase, slot):
+            raise ProtocolError("misrouted frame")
+        if frame.kind not in (Kind.DATA, Kind.SIG):
+            raise ProtocolError(f"unexpected frame kind {frame.kind}")
+        self.stats.messages_received += 1
+        return frame
+
+    async def recv_payload(
+        self, rank: int, frame: Frame, buf: Any, extra: Iterable[asyncio.Future] = ()
+    ) -> None:
+        if buf.nbytes != frame.payload:
+            err = ProtocolError(f"rank {rank} announced {frame.payload} bytes, {buf.nbytes} here")
+            self.lose(rank, err)
+            raise err
+        if frame.payload == 0:
+            return
+        q = self.net.queue(rank, self.rank, frame.seq, frame.phase, frame.slot, True)
+        data = await self._get(q, "payload", extra)
+        buf[...] = data
+        self.stats.messages_received += 1
+        self.stats.bytes_received += data.nbytes
+
+    async def broadcast_abort(self, seq: int, code: AbortCode, peer: int, reason: str) -> None:
+        frame = Frame(kind=Kind.ABORT, job=self.job, seq=seq, src=self.rank, phase=code, count=peer)
+        loop = asyncio.get_running_loop()
+        for other in self.net.nodes:
+            if other is not self and other.on_abort is not None:
+                loop.call_soon(other.on_abort, frame, reason)
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def _as_transport(t: FakeTransport) -> Transport:
+    return t  # type-checks only if FakeTransport satisfies the protocol
+
+
+# -- running a world in one process -------------------------------------------------------
+
+
+def run_world(world: int, body: Callable[[Communicator], Any], timeout: float = 60.0) -> list:
+    """``body(comm)`` on every fake rank at once; per rank its result or its exception."""
+
+    async def main() -> list:
+        net = FakeNetwork(world)
+        comms = [Communicator(_as_transport(t), CFG) for t in net.nodes]
+        try:
+            return await asyncio.wait_for(
+                asyncio.gather(*(body(c) for c in comms), return_exceptions=True), timeout
+            )
+        finally:
+            for c in comms:
+                await c.close()
+
+    return asyncio.run(main())
+
+
+def ok(results: list) -> list:
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+@pytest.fixture(autouse=True)
+def small_pieces(monkeypatch):
+    monkeypatch.setattr(allreduce, "PIECE_BYTES", SMALL_PIECE_BYTES)
+    monkeypatch.setattr(broadcast, "PIECE_BYTES", SMALL_PIECE_BYTES)
+
+
+def int_data(rank: int, n: int, dtype, low: int = -100, high: int = 100) -> np.ndarray:
+    """Integer-valued data: sums of a few of them are exact in every dtype used here."""
+    return np.random.default_rng(100 + rank).integers(low, high, n).astype(dtype)
+
+
+def smooth_data(rank: int, n: int, dtype=np.float32) -> np.ndarray:
+    return np.random.default_rng(200 + rank).uniform(-1, 1, n).astype(dtype)
+
+
+def assert_replicas_identical(results: list) -> None:
+    for r, got in enumerate(results[1:], 1):
+        assert got.tobytes() == results[0].tobytes(), f"rank {r}'s replica differs from rank 0"
+
+
+# -- uncompressed: exact ------------------------------------------------------------------
+
+SIZES = [0, 1, 7, 1023, 5000]  # 5000 float32 = 20 KB: several 1 KiB pieces per chunk
+
+
+EXACT_DTYPES = [np.int32, np.float32, np.float64, np.int64]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("algorithm", ["sra", "ring"])
+def test_raw_sum_is_exact(world, algorithm):
+    cases = [(dtype, n) for dtype in EXACT_DTYPES for n in SIZES]
+
+    async def body(comm):
+        out = []
+        for dtype, n in cases:
+            x = int_data(comm.rank, n, dtype, -1000, 1000)
+            assert await comm.allreduce(x, algorithm=algorithm) is x
+            out.append(x)
+        return out
+
+    results = ok(run_world(world, body))
+    for i, (dtype, n) in enumerate(cases):
+        expect = sum(int_data(r, n, dtype, -1000, 1000).astype(np.float64) for r in range(world))
+        got = results[0][i]
+        assert got.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(got.astype(np.float64), expect, err_msg=str(cases[i]))
+        assert_replicas_identical([r[i] for r in results])
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("algorithm", ["sra", "ring"])
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
+def test_raw_16_bit_floats_sum_in_float32(world, algorithm, dtype):
+    # bfloat16 holds integers exactly up to 256: 4 ranks of |x| < 60 stay exact.
+    async def body(comm):
+        x = int_data(comm.rank, 3001, dtype, -60, 60)
+        await comm.allreduce(x, algorithm=algorithm)
+        return x
+
+    results = ok(run_world(world, body))
+    expect = sum(int_data(r, 3001, dtype, -60, 60).astype(np.float64) for r in range(world))
+    np.testing.assert_array_equal(results[0].astype(np.float64), expect)
+    assert_replicas_identical(results)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("algorithm", ["sra", "ring"])
+def test_raw_avg(world, algorithm):
+    async def body(comm):
+        x = int_data(comm.rank, 2049, np.float32)
+        await comm.allreduce(x, "avg", algorithm=algorithm)
+        return x
+
+    results = ok(run_world(world, body))
+    expect = sum(int_data(r, 2049, np.float32).astype(np.float64) for r in range(world)) / world
+    np.testing.assert_allclose(results[0].astype(np.float64), expect, rtol=1e-6)
+    assert_replicas_identical(results)
+
+
+def test_shapes_are_kept_and_the_input_is_reduced_in_place():
+    async def body(comm):
+        x = int_data(comm.rank, 24, np.int32).reshape(2, 3, 4)
+        y = await comm.allreduce(x)
+        return x, y
+
+    for x, y in ok(run_world(3, body)):
+        assert y is x and x.shape == (2, 3, 4)
+        expect = sum(int_data(r, 24, np.int32) for r in range(3)).reshape(2, 3, 4)
+        np.testing.assert_array_equal(x, expect)
+
+
+# -- compressed: within the quantization bound, bit-identical ------------------------------
+
+
+def quantization_bound(
+    xs: list[np.ndarray], layout: Layout, world: int, step: float = 0.5
+) -> np.ndarray:
+    """Per-value bound on |result - exact sum| for a compressed allreduce.
+
+    Each quantization of a bucket errs by at most ``step`` units (1/2 rounding to
+    nearest, 1 stochastic rounding), unit = range / (2^bits - 1).
+    Both algorithms quantize every value N times: SRA each of the N-1 peers' inputs and
+    the sum; the ring the partial sums of 1..N-1 ranks and the sum. A partial sum's range
+    in a bucket is at most the sum of the inputs' ranges plus twice the error so far,
+    so the error after q quantizations is at most e_q = e_{q-1} + step (R + 2 e_{q-1}) / L,
+    R = sum of the ranks' ranges in the bucket, L = 2^bits - 1. Uncompressed layers are
+    summed in float32: exact up to its rounding (the last term).
+    """
+    n = len(xs[0])
+    bound = np.zeros(n)
+    for spec in layout.layers:
+        if not spec.compressed:
+            continue
+        levels = 2**spec.bits - 1
+        for b in range(spec.offset, spec.end, spec.bucket_size):
+            e = min(b + spec.bucket_size, spec.end)
+            total = sum(float(x[b:e].max() - x[b:e].min()) for x in xs)
+            err = 0.0
+            for _ in range(world):
+                err += step * (total + 2 * err) / levels
+            bound[b:e] = err
+    exact = np.abs(sum(x.astype(np.float64) for x in xs))
+    return bound * (1 + 1e-5) + 1e-5 * exact + 1e-6
+
+
+COMPRESSED = [
+    # (numel, bits, bucket): sizes 0, 1, and non-multiples of the bucket
+    (0, 4, 64),
+    (1, 4, 64),
+    (1000, 4, 64),
+    (3001, 4, 128),
+    (777, 2, 100),
+    (2049, 8, 512),
+]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("algorithm", ["sra", "ring"])
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_compressed_within_bound_and_bit_identical(world, algorithm, op):
+    async def body(comm):
+        out = []
+        for n, bits, bucket in COMPRESSED:
+            x = smooth_data(comm.rank, n)
+            await comm.allreduce(x, op, bits=bits, bucket_size=bucket, algorithm=algorithm)
+            out.append(x)
+        return out
+
+    results = ok(run_world(world, body))
+    for i, (n, bits, bucket) in enumerate(COMPRESSED):
+        xs = [smooth_data(r, n) for r in range(world)]
+        exact = sum(x.astype(np.float64) for x in xs)
+        bound = quantization_bound(xs, Layout.uniform(n, bits, bucket), world)
+        if op == "avg":
+            exact, bound = exact / world, bound / world
+        err = np.abs(results[0][i].astype(np.float64) - exact)
+        assert np.all(err <= bound), f"{COMPRESSED[i]}: excess {np.max(err - bound, initial=0)}"
+        assert_replicas_identical([r[i] for r in results])
+
+
+MIXED = Layout(
+    (
+        LayerSpec(0, 1500, 4, 128),
+        LayerSpec(1500, 77, 32, 1024),  # uncompressed (bias-like) between compressed layers
+        LayerSpec(1577, 1001, 2, 100),
+    )
+)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("algorithm", ["sra", "ring"])
+def test_mixed_layout(world, algorithm):
+    dtypes = [np.float32, np.float16]
+
+    async def body(comm):
+        out = []
+        for dtype in dtypes:
+            x = smooth_data(comm.rank, MIXED.numel, dtype)
+            await comm.allreduce(x, layout=MIXED, algorithm=algorithm)
+            out.append(x)
+        return out
+
+    results = ok(run_world(world, body))
+    for i, dtype in enumerate(dtypes):
+        got = results[0][i]
+        assert_replicas_identical([r[i] for r in results])
+        xs = [smooth_data(r, MIXED.numel, dtype).astype(np.float32) for r in range(world)]
+        exact = sum(x.astype(np.float64) for x in xs)
+        bound = quantization_bound(xs, MIXED, world)
+        if dtype == np.float16:  # the result is rounded to float16 once more
+            bound = bound + np.abs(exact) * 2.0**-11 + 1e-3
+        err = np.abs(got.astype(np.float64) - exact)
+        assert np.all(err <= bound), f"{dtype}: excess {np.max(err - bound)}"
+        # The uncompressed layer: float32 sums, rounded to the buffer's dtype (the ring
+        # also rounds its N-1 partial sums, each of magnitude < N, as the raw path does).
+        raw = slice(1500, 1577)
+        atol = 1e-6 if dtype == np.float32 else world * world * 2.0**-11
+        np.testing.assert_allclose(got[raw].astype(np.float64), exact[raw], rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("algorithm", ["sra", "ring"])
+def test_stochastic_rounding_is_seeded_and_identical(algorithm):
+    async def body(comm):
+        out = []
+        for seed in (7, 7, 8):
+            x = smooth_data(comm.rank, 1500)
+            await comm.allreduce(x, bits=2, bucket_size=64, stochastic=True, seed=seed)
+            out.append(x)
+        return out
+
+    results = ok(run_world(3, body))
+    for i in range(3):
+        assert_replicas_identical([r[i] for r in results])
+    # Same seed, but a different sequence number: the rounding differs per call.
+    assert results[0][0].tobytes() != results[0][1].tobytes()
+    xs = [smooth_data(r, 1500) for r in range(3)]
+    bound = quantization_bound(xs, Layout.uniform(1500, 2, 64), 3, step=1.0)
+    err = np.abs(results[0][0] - sum(x.astype(np.float64) for x in xs))
+    assert np.all(err <= bound)
+
+
+def test_codec_thread_path_gives_the_inline_result(monkeypatch):
+    """Large pieces run the codec on a thread: the same bytes as inline."""
+
+    async def body(comm):
+        x = smooth_data(comm.rank, 4000)
+        await comm.allreduce(x, bits=4, bucket_size=128)
+        return x
+
+    inline = ok(run_world(2, body))
+    monkeypatch.setattr(piece_codec, "CODEC_INLINE_NUMEL", 16)
+    threaded = ok(run_world(2, body))
+    for a, b in zip(inline, threaded, strict=True):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_world_of_one_quantizes_once():
+    async def body(comm):
+        x = smooth_data(0, 1000)
+        y = x.copy()
+        await comm.allreduce(x, bits=4, bucket_size=128)
+        await comm.allreduce(y)  # uncompressed: untouched
+        return x, y
+
+    [(x, y)] = ok(run_world(1, body))
+    want = decode(encode(smooth_data(0, 1000), 4, 128))
+    np.testing.assert_array_equal(x, want)
+    np.testing.assert_array_equal(y, smooth_data(0, 1000))
+
+
+# -- the other collectives -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_broadcast_allgather_barrier(world):
+    async def body(comm):
+        x = int_data(comm.rank, 3000, np.float32)  # 12 KB: several small pieces
+        await comm.broadcast(x, root=world - 1)
+        g = await comm.allgather(int_data(comm.rank, 5, np.int64).reshape(5, 1))
+        await comm.barrier()
+        return x, g, comm.stats.by_collective
+
+    for x, g, counts in ok(run_world(world, body)):
+        np.testing.assert_array_equal(x, int_data(world - 1, 3000, np.float32))
+        assert g.shape == (world, 5, 1)
+        for r in range(world):
+            np.testing.assert_array_equal(g[r, :, 0], int_data(r, 5, np.int64))
+        assert counts == {"broadcast": 1, "allgather": 1, "barrier": 1}
+
+
+# -- disagreement and failure -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("case", ["numel", "op", "bits", "algorithm", "collective"])
+def test_mismatch_fails_every_rank_then_the_next_call_works(world, case):
+    async def body(comm):
+        r = comm.rank
+        x = smooth_data(r, 101 if case == "numel" and r == 1 else 100)
+        try:
+            if case == "collective" and r == 1:
+                await comm.broadcast(x)
+            elif case == "op":
+                await comm.allreduce(x, "avg" if r == 1 else "sum")
+            elif case == "bits":
+                await comm.allreduce(x, bits=2 if r == 1 else 4, bucket_size=64)
+            elif case == "algorithm":
+                await comm.allreduce(x, algorithm="ring" if r == 1 else "sra")
+            else:
+                await comm.allreduce(x)
+        except CollectiveMismatchError as exc:
+            caught = str(exc)
+        else:
+            caught = None
+        y = int_data(r, 10, np.int32)
+        await comm.allreduce(y)  # the ranks still agree on what comes next
+        return caught, x, y
+
+    results = ok(run_world(world, body))
+    for r, (caught, x, y) in enumerate(results):
+        assert caught is not None, f"rank {r} saw no mismatch"
+        assert "rank 1 called" in caught or "while rank 1 called" in caught, caught
+        # Nothing was written into a buffer of a failed call.
+        np.testing.assert_array_equal(x, smooth_data(r, x.size))
+        np.testing.assert_array_equal(y, sum(int_data(q, 10, np.int32) for q in range(world)))
+
+
+def test_a_bad_argument_on_one_rank_aborts_the_others_fast():
+    async def body(comm):
+        x = smooth_data(comm.rank, 100)
+        await comm.allreduce(x, "max" if comm.rank == 0 else "sum")
+
+    results = run_world(3, body, timeout=20.0)  # far below the transport's 60 s timeout
+    assert isinstance(results[0], ConfigError)
+    for r in results[1:]:
+        assert isinstance(r, CollectiveMismatchError), repr(r)
+        assert "rank 0 aborted" in str(r)
