@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or refreshes) the project's virtual environment in .venv from nothing, and says
 # what it is doing: each step prints what it does and about how long it takes, and pip's
-# own lines stream through (a "still working" line at least every 10 s when pip is quiet).
+# own lines stream through (after 8 s of silence a "still working" line: never 10 s mute).
 #
 # - torch's exact version comes from scripts/constraints.txt (pip -c): the package itself
 #   declares only the range it supports (setup.cfg), the pin keeps this project's runs
@@ -19,11 +19,11 @@ _t_setup=$SECONDS
 
 _say() { printf 'setup: %s\n' "$*"; }
 
-# Streams a command's output, indented; when it prints nothing for 10 s, says it is alive.
+# Streams a command's output, indented; after 8 s of silence it says it is alive.
 _stream() {
     local t0=$SECONDS line rc
     while true; do
-        if IFS= read -r -t 10 line; then
+        if IFS= read -r -t 8 line; then
             printf '    %s\n' "$line"
         else
             rc=$?
@@ -50,7 +50,7 @@ _step() {
     _say "  done in $((SECONDS - t0)) s"
 }
 
-_say "checking .venv in $_root (first run: about 1-3 min; later runs: instant)"
+_say "checking .venv in $_root (first run: about 2-5 min; later runs: instant)"
 
 case "${CGX_UCX_GPU:-auto}" in
     1 | yes | true) _gpu=1 _why="CGX_UCX_GPU=${CGX_UCX_GPU}" ;;
@@ -72,7 +72,7 @@ _want="$(
 )-$_extras"
 
 if [ ! -x "$_venv/bin/python" ]; then
-    _step "creating .venv with $(python3 --version 2>&1) (~5 s)" python3 -m venv "$_venv"
+    _step "creating .venv with $(python3 --version 2>&1) (~5-15 s)" python3 -m venv "$_venv"
 fi
 if [ "$(cat "$_stamp" 2>/dev/null)" != "$_want" ]; then
     _step "upgrading pip, setuptools and wheel in .venv (~10 s)" \
@@ -82,7 +82,7 @@ if [ "$(cat "$_stamp" 2>/dev/null)" != "$_want" ]; then
     else
         _say "GPU extra (CuPy): no ($_why)"
     fi
-    _step "installing cgx_ucx[$_extras] (editable): torch CPU, ucxx, numba, pytest, ... (~1-2 min)" \
+    _step "installing cgx_ucx[$_extras] (editable): torch CPU, ucxx, numba, pytest, ... (~1-4 min: torch alone unpacks ~750 MB)" \
         "$_venv/bin/python" -m pip install -c "$_root/scripts/constraints.txt" -e "$_root[$_extras]"
     if [ "$_gpu" = 0 ] && "$_venv/bin/python" -m pip show -q cupy-cuda12x >/dev/null 2>&1; then
         _say "note: CuPy from an earlier set-up stays in .venv (pip uninstall cupy-cuda12x drops it)"
