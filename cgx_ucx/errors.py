@@ -57,11 +57,25 @@ class PeerLostError(TransportError):
 
 
 class CGXTimeoutError(PeerLostError, TimeoutError):
-    """A wait ran past its deadline; the peer that did not answer is named."""
+    """A wait ran past its deadline; the peer that did not answer is named.
+
+    ``alive`` says what the peer's control channel told: True (it answered a status
+    request: late, not dead; the message says which collective it is in), False (it is
+    gone), None (connected but no answer in time).
+    """
+
+    def __init__(self, message: str, peer: int | None = None, alive: bool | None = None) -> None:
+        super().__init__(message, peer)
+        self.alive = alive
 
 
 class ProtocolError(TransportError):
-    """A malformed or foreign frame arrived; the endpoint it came on is dropped."""
+    """A malformed, foreign or unauthenticated frame arrived.
+
+    A frame that fails the pair's keyed check fails the communicator without dropping
+    the peer it claims to come from (it may be forged); a well-authenticated frame that
+    breaks the protocol drops the peer that sent it.
+    """
 
 
 class CollectiveMismatchError(CGXError):

@@ -2,14 +2,17 @@
 
 See :mod:`.mesh` for why each peer gets a data channel (worker-address endpoints:
 shared memory, CMA, cuda_ipc) and a control channel (error-handling endpoint: liveness,
-membership, ABORT/BYE), and :mod:`.progress` for the event-driven progress driver.
+membership, ABORT/BYE/STATUS), :mod:`.connection` for how a mesh is connected,
+:mod:`.handshake` for the trust model (membership proofs, pair keys, secret tag spaces),
+:mod:`.status` for what a timed-out wait learns about its peer, and :mod:`.progress` for
+the event-driven progress driver.
 
 What UCX picks (it chooses per pair of ranks; ``UCX_TLS`` / ``UCX_NET_DEVICES`` pass
 through untouched):
 
 - one host, host memory: the data channel uses shared memory (posix/sysv) for small
   messages and CMA (``process_vm_readv``, one copy) for large ones; the control channel
-  uses TCP over loopback. Measured here: 13.8 GB/s point to point at 64 MiB.
+  uses TCP over loopback (point-to-point figures: benchmarks/results and the README).
 - one host, CuPy buffers: cuda_ipc between the GPUs (NVLink/PCIe peer access), cuda_copy
   staging otherwise.
 - across hosts: TCP (tuned segment sizes, see :mod:`.ucx`) or, where present, InfiniBand
@@ -21,6 +24,7 @@ through untouched):
 from .frames import FRAME_NBYTES, MAX_PAYLOAD_NBYTES, Frame, Kind
 from .mesh import MAX_WORLD_SIZE, Mesh, TransportStats
 from .rendezvous import PeerAddress, Rendezvous, env_store
+from .status import PeerStatus
 from .ucx import UCX_DEFAULTS, apply_env_defaults
 
 __all__ = [
@@ -32,6 +36,7 @@ __all__ = [
     "Kind",
     "Mesh",
     "PeerAddress",
+    "PeerStatus",
     "Rendezvous",
     "TransportStats",
     "apply_env_defaults",

@@ -1,40 +1,50 @@
-"""The 64-byte frame header every cgx_ucx message starts with, and its validation.
+"""The 80-byte frame header every cgx_ucx message starts with, and its validation.
 
 Each message on the wire is a fixed-size header, optionally followed by a payload sent as
 a second message (the payload is received only after the header was validated, into a
 buffer of exactly the announced, bounded size). Nothing is unpickled; the header is a
-``struct`` with a CRC, so a foreign or corrupted frame is a
+``struct`` closed by a 16-byte check, so a foreign or corrupted frame is a
 :class:`~cgx_ucx.errors.ProtocolError` before any field is trusted.
 
-Layout, little-endian, ``struct`` format ``<4sBBBBQIHHIBBBBQQQII``::
+The check is BLAKE2b-128 over bytes 0..63. Once two ranks completed their handshake
+(:mod:`.handshake`) it is keyed with their pair key, so a header is accepted only from
+the peer that holds that key (issue 13: UCX tags are worker-wide, and a process that
+read the store could post frames claiming to be a member). Before that (the HELLO
+exchange) it is unkeyed and only detects corruption. Payloads are not covered: they
+travel on tags derived from a per-pair secret that no store reader knows, and a MAC
+over every payload byte would cost more than the quantized transfer itself.
+
+Layout, little-endian, ``struct`` format ``<4sBBBBQIIHHIBBBBIQQQ16s``::
 
     0   4s  magic         b"CGXF"
-    4   B   version       1
-    5   B   kind          Kind (HELLO, DATA, SIG, ABORT, BYE)
+    4   B   version       2 (1 had a 60-byte body and a CRC32; no communicator id)
+    5   B   kind          Kind (HELLO, HELLO_ACK, PROOF, DATA, SIG, ABORT, BYE, STATUS...)
     6   B   collective    Coll (allreduce, broadcast, allgather, barrier)
     7   B   reduce_op     Op (none, sum, avg)
-    8   Q   job           64-bit id of the job (from its membership token)
-    16  I   seq           collective sequence number of the sender
-    20  H   src           sender rank
-    22  H   phase         phase of the collective (algorithm-specific)
-    24  I   slot          piece / step index inside the phase
-    28  B   dtype         DTYPE_CODES
-    29  B   bits          uniform bits of the layout, MIXED_BITS when layers differ
-    30  B   algorithm     Algo (sra, ring, direct)
-    31  B   flags         bit 0 stochastic rounding
-    32  Q   numel         values in the caller's buffer
-    40  Q   digest        Layout.digest
-    48  Q   payload       bytes of the payload message that follows (0: none)
-    56  I   count         pieces the sender sends in this (phase, destination) stream,
+    8   Q   job           64-bit id of this communicator instance (from its token)
+    16  I   comm          communicator id, agreed through the store (never random)
+    20  I   seq           collective sequence number of the sender
+    24  H   src           sender rank
+    26  H   phase         phase of the collective (algorithm-specific)
+    28  I   slot          piece / step index inside the phase
+    32  B   dtype         DTYPE_CODES
+    33  B   bits          uniform bits of the layout, MIXED_BITS when layers differ
+    34  B   algorithm     Algo (sra, ring, direct)
+    35  B   flags         bit 0 stochastic rounding
+    36  I   count         pieces the sender sends in this (phase, destination) stream,
                           or the root of a broadcast, or the peer an ABORT names
-    60  I   crc           zlib.crc32 of bytes 0..59
+    40  Q   numel         values in the caller's buffer
+    48  Q   digest        Layout.digest
+    56  Q   payload       bytes of the payload message that follows (0: none)
+    64  16s check         BLAKE2b-128 of bytes 0..63 (keyed with the pair key, see above)
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
 import struct
-import zlib
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -44,8 +54,10 @@ import numpy as np
 from ..errors import ProtocolError
 
 __all__ = [
+    "CHECK_NBYTES",
     "DTYPE_CODES",
     "FRAME_NBYTES",
+    "KEY_NBYTES",
     "MAGIC",
     "MAX_PAYLOAD_NBYTES",
     "MIXED_BITS",
@@ -60,10 +72,14 @@ __all__ = [
 ]
 
 MAGIC = b"CGXF"
-VERSION = 1
-_STRUCT = struct.Struct("<4sBBBBQIHHIBBBBQQQII")
-FRAME_NBYTES: int = _STRUCT.size
-assert FRAME_NBYTES == 64
+VERSION = 2
+_BODY = struct.Struct("<4sBBBBQIIHHIBBBBIQQQ")
+#: Bytes of the header check (BLAKE2b digest size).
+CHECK_NBYTES = 16
+#: Bytes of a pair key (BLAKE2b key).
+KEY_NBYTES = 16
+FRAME_NBYTES: int = _BODY.size + CHECK_NBYTES
+assert _BODY.size == 64 and FRAME_NBYTES == 80
 #: Largest payload a peer may announce (bounded before anything is allocated): 16 GiB,
 #: above any single gradient bucket or broadcast this library is meant for.
 MAX_PAYLOAD_NBYTES = 1 << 34
@@ -72,12 +88,15 @@ MIXED_BITS = 255
 
 
 class Kind(enum.IntEnum):
-    HELLO = 1  # membership proof: the payload is the job token
-    HELLO_ACK = 2
+    HELLO = 1  # handshake step 1 (dialer): payload is its nonce
+    HELLO_ACK = 2  # step 2 (acceptor): its nonce, its proof, a masked tag prefix
     DATA = 3  # a piece of a collective
     SIG = 4  # a collective's signature only (no data), first message of a collective
     ABORT = 5  # the sender gave up collective ``seq``; payload is a UTF-8 reason
     BYE = 6  # the sender is closing cleanly
+    PROOF = 7  # handshake step 3 (dialer): its proof, a masked tag prefix
+    STATUS_REQUEST = 8  # "where are you?" (sent when a wait on the receiver timed out)
+    STATUS = 9  # answer: seq = last started, count = last finished, payload = description
 
 
 class Coll(enum.IntEnum):
@@ -141,11 +160,12 @@ def dtype_from_code(code: int) -> np.dtype | None:
 
 @dataclass(frozen=True)
 class Frame:
-    """A decoded, CRC-checked frame header (field meanings in the module docstring)."""
+    """A decoded, checked frame header (field meanings in the module docstring)."""
 
     kind: int
     job: int
     seq: int = 0
+    comm: int = 0
     src: int = 0
     phase: int = 0
     slot: int = 0
@@ -160,14 +180,16 @@ class Frame:
     payload: int = 0
     count: int = 0
 
-    def pack(self) -> bytes:
-        head = _STRUCT.pack(
+    def pack(self, key: bytes | None = None) -> bytes:
+        """The 80 header bytes; the check is keyed with ``key`` (a pair key) when given."""
+        body = _BODY.pack(
             MAGIC,
             VERSION,
             self.kind,
             self.collective,
             self.reduce_op,
             self.job,
+            self.comm,
             self.seq & 0xFFFFFFFF,
             self.src,
             self.phase,
@@ -176,17 +198,16 @@ class Frame:
             self.bits,
             self.algorithm,
             self.flags,
+            self.count,
             self.numel,
             self.digest,
             self.payload,
-            self.count,
-            0,
         )
-        return head[:60] + struct.pack("<I", zlib.crc32(head[:60]))
+        return body + _check(body, key)
 
-    def into(self, buf: np.ndarray) -> np.ndarray:
-        """Write the packed header into ``buf`` (uint8, >= 64 bytes); returns buf[:64]."""
-        buf[:FRAME_NBYTES] = np.frombuffer(self.pack(), np.uint8)
+    def into(self, buf: np.ndarray, key: bytes | None = None) -> np.ndarray:
+        """Write the packed header into ``buf`` (uint8, >= 80 bytes); returns buf[:80]."""
+        buf[:FRAME_NBYTES] = np.frombuffer(self.pack(key), np.uint8)
         return buf[:FRAME_NBYTES]
 
     def with_(self, **changes: Any) -> Frame:
@@ -207,19 +228,24 @@ class Frame:
         )
 
     @classmethod
-    def unpack(cls, data: Any, *, job: int | None = None) -> Frame:
-        """Decode and validate a header; ProtocolError for anything foreign or corrupt."""
+    def unpack(cls, data: Any, *, job: int | None = None, key: bytes | None = None) -> Frame:
+        """Decode and validate a header; ProtocolError for anything foreign or corrupt.
+
+        With ``key`` the check must be keyed with it: a frame from anyone but the holder
+        of the pair key fails ("failed authentication")."""
         raw = bytes(memoryview(data).cast("B")[:FRAME_NBYTES])
         if len(raw) != FRAME_NBYTES:
             raise ProtocolError(f"frame header of {len(raw)} bytes, expected {FRAME_NBYTES}")
-        (crc,) = struct.unpack_from("<I", raw, 60)
         if raw[:4] != MAGIC:
             raise ProtocolError(f"foreign frame: magic {raw[:4]!r}, expected {MAGIC!r}")
-        if zlib.crc32(raw[:60]) != crc:
-            raise ProtocolError("corrupt frame header (CRC mismatch)")
-        f = _STRUCT.unpack(raw)
-        if f[1] != VERSION:
-            raise ProtocolError(f"frame version {f[1]}, this library speaks {VERSION}")
+        if raw[4] != VERSION:
+            raise ProtocolError(f"frame version {raw[4]}, this library speaks {VERSION}")
+        body = raw[: _BODY.size]
+        if not hmac.compare_digest(raw[_BODY.size :], _check(body, key)):
+            if key is not None:
+                raise ProtocolError("frame failed authentication (not keyed by this pair)")
+            raise ProtocolError("corrupt frame header (check mismatch)")
+        f = _BODY.unpack(body)
         try:
             Kind(f[2])
         except ValueError:
@@ -229,18 +255,19 @@ class Frame:
             collective=f[3],
             reduce_op=f[4],
             job=f[5],
-            seq=f[6],
-            src=f[7],
-            phase=f[8],
-            slot=f[9],
-            dtype=f[10],
-            bits=f[11],
-            algorithm=f[12],
-            flags=f[13],
-            numel=f[14],
-            digest=f[15],
-            payload=f[16],
-            count=f[17],
+            comm=f[6],
+            seq=f[7],
+            src=f[8],
+            phase=f[9],
+            slot=f[10],
+            dtype=f[11],
+            bits=f[12],
+            algorithm=f[13],
+            flags=f[14],
+            count=f[15],
+            numel=f[16],
+            digest=f[17],
+            payload=f[18],
         )
         if job is not None and frame.job != job:
             raise ProtocolError(f"frame of a foreign job {frame.job:#x} (this job {job:#x})")
@@ -250,3 +277,9 @@ class Frame:
                 f"{MAX_PAYLOAD_NBYTES}-byte bound"
             )
         return frame
+
+
+def _check(body: bytes, key: bytes | None) -> bytes:
+    if key is None:
+        return hashlib.blake2b(body, digest_size=CHECK_NBYTES).digest()
+    return hashlib.blake2b(body, key=key, digest_size=CHECK_NBYTES).digest()

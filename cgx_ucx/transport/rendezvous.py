@@ -10,6 +10,13 @@ to our listener needs it), so every call runs on a private one-thread executor t
 
 Keys live under ``<prefix>/<generation>/``: every ``connect`` of a job bumps a counter, so
 a communicator created after another one closed never reads the old one's addresses.
+
+Every communicator also gets an id that is unique in the job: rank 0 draws it from one
+counter in the innermost store (under every torch PrefixStore, so process groups that
+each got their own prefix still share it) and publishes it with the token. Each rank
+publishes its world size with its address, so ranks started with different world sizes
+are told so at once, with both sizes (issue 13), instead of waiting for a rank that
+never comes.
 """
 
 from __future__ import annotations
@@ -23,18 +30,24 @@ import secrets
 import socket
 import struct
 import time
+from contextlib import suppress
 from typing import Any, Protocol
 
 from ..errors import ConfigError, PeerFailedError, RendezvousError
 
 __all__ = [
+    "COMM_ID_KEY",
     "PeerAddress",
     "PeerFailedError",
     "Rendezvous",
     "Store",
+    "default_host",
     "env_store",
     "local_address_towards",
     "node_id",
+    "root_store",
+    "store_host",
+    "with_rank",
 ]
 
 log = logging.getLogger("cgx_ucx.transport")
@@ -54,6 +67,62 @@ POLL_MIN_S = 0.001
 POLL_MAX_S = 0.1
 #: Bound on publishing a failure (a TCPStore set takes milliseconds; the store may be gone).
 FAILURE_PUBLISH_S = 5.0
+#: Counter (in the innermost store) that numbers every communicator of the job.
+COMM_ID_KEY = "cgx_ucx/communicators"
+#: How many PrefixStore layers are unwrapped (torch nests one per process group /
+#: backend; a bound keeps a self-referencing duck-typed store from hanging us).
+MAX_STORE_NESTING = 32
+
+
+def with_rank(rank: int, text: str) -> str:
+    """``"rank N: text"``, unless ``text`` already starts so (no "rank 0: rank 0: ...")."""
+    prefix = f"rank {rank}: "
+    return text if text.startswith(prefix) else prefix + text
+
+
+def root_store(store: Any) -> Any:
+    """The innermost store under torch's PrefixStores (``store`` itself if none)."""
+    for _ in range(MAX_STORE_NESTING):
+        inner = getattr(store, "underlying_store", None)
+        if inner is None or inner is store:
+            return store
+        store = inner
+    return store
+
+
+def store_host(store: Any) -> str | None:
+    """The host of the TCPStore under ``store``, unwrapping PrefixStores.
+
+    torch hands a backend a ``PrefixStore`` (often several nested) around the job's
+    TCPStore; only the innermost store knows the host. None for stores without a host
+    (FileStore, HashStore).
+    """
+    for _ in range(MAX_STORE_NESTING):
+        host = getattr(store, "host", None)
+        if isinstance(host, str) and host:
+            return host
+        inner = getattr(store, "underlying_store", None)
+        if inner is None or inner is store:
+            return None
+        store = inner
+    return None
+
+
+def default_host(store: Any) -> str:
+    """The address peers should dial: the local interface that routes to the store's host
+    (found through PrefixStores), else to MASTER_ADDR, else the hostname's address.
+
+    Falling back to loopback or the hostname when the store is wrapped left ranks in other
+    network namespaces or on other hosts unable to dial (issue 3 follow-up).
+    """
+    for target in (store_host(store), os.environ.get("MASTER_ADDR")):
+        if target:
+            addr = local_address_towards(target)
+            if addr:
+                return addr
+    with suppress(OSError):
+        return local_address_towards(socket.gethostname()) or "127.0.0.1"
+    return "127.0.0.1"
 
 
 class Store(Protocol):
@@ -125,23 +194,28 @@ def node_id() -> str:
 
 
 class PeerAddress:
-    """What a rank publishes: where its listener is, its UCX worker address, its machine."""
+    """What a rank publishes: where its listener is, its UCX worker address, its machine,
+    and the world size it was started with."""
 
-    _HEAD = struct.Struct("<HHIH")  # host length, port, worker-address length, node length
+    # host length, port, worker-address length, node length, world size
+    _HEAD = struct.Struct("<HHIHI")
 
-    def __init__(self, host: str, port: int, worker_address: bytes, node: str = "") -> None:
+    def __init__(
+        self, host: str, port: int, worker_address: bytes, node: str = "", world_size: int = 0
+    ) -> None:
         self.host, self.port, self.worker_address, self.node = host, port, worker_address, node
+        self.world_size = world_size
 
     def pack(self) -> bytes:
         h, n = self.host.encode(), self.node.encode()
-        head = self._HEAD.pack(len(h), self.port, len(self.worker_address), len(n))
+        head = self._HEAD.pack(len(h), self.port, len(self.worker_address), len(n), self.world_size)
         return head + h + self.worker_address + n
 
     @classmethod
     def unpack(cls, raw: bytes) -> PeerAddress:
         if len(raw) < cls._HEAD.size:
             raise RendezvousError("malformed peer address in the store (too short)")
-        hlen, port, alen, nlen = cls._HEAD.unpack_from(raw)
+        hlen, port, alen, nlen, world = cls._HEAD.unpack_from(raw)
         if alen > MAX_ADDRESS_NBYTES or len(raw) != cls._HEAD.size + hlen + alen + nlen:
             raise RendezvousError("malformed peer address in the store (length mismatch)")
         pos = cls._HEAD.size
@@ -150,7 +224,7 @@ class PeerAddress:
             node = raw[pos + hlen + alen :].decode()
         except UnicodeDecodeError as exc:
             raise RendezvousError("malformed peer address in the store (not UTF-8)") from exc
-        return cls(host, port, raw[pos + hlen : pos + hlen + alen], node)
+        return cls(host, port, raw[pos + hlen : pos + hlen + alen], node, world)
 
 
 class Rendezvous:
@@ -161,6 +235,9 @@ class Rendezvous:
         self.prefix = prefix
         self.deadline = deadline  # time.monotonic() value
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cgx-rdzv")
+        # Name resolution gets its own thread: a resolver that hangs (no DNS) must not
+        # hold up the store calls and the failure watch queued behind it.
+        self._aux: concurrent.futures.ThreadPoolExecutor | None = None
         self.generation = -1
         self._stop_watch = False
         self._watch: asyncio.Future | None = None
@@ -169,11 +246,13 @@ class Rendezvous:
         """Stop the store thread (``wait=False`` on error paths, where a store call may
         still block until the connect deadline: the thread then ends on its own)."""
         self._pool.shutdown(wait=wait, cancel_futures=True)
+        if self._aux is not None:
+            self._aux.shutdown(wait=False, cancel_futures=True)
 
     def _remaining(self) -> float:
         left = self.deadline - time.monotonic()
         if left <= 0:
-            raise RendezvousError(f"rank {self.rank}: rendezvous deadline passed")
+            raise RendezvousError(f"rank {self.rank}: the connect timeout passed")
         return left
 
     async def _call(self, fn: Any, *args: Any) -> Any:
@@ -191,8 +270,11 @@ class Rendezvous:
             raise RendezvousError(f"rank {self.rank}: store call failed: {exc}") from exc
 
     def run_blocking(self, fn: Any, *args: Any) -> asyncio.Future:
-        """Run a blocking call on the store thread (no thread outlives ``connect``)."""
-        return asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        """Run a blocking call that is not a store call (name resolution) on a thread of
+        its own, shut down with the store thread when connecting is over."""
+        if self._aux is None:
+            self._aux = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cgx-resolve")
+        return asyncio.get_running_loop().run_in_executor(self._aux, fn, *args)
 
     def _key(self, name: str) -> str:
         return f"{self.prefix}/{self.generation}/{name}"
@@ -203,7 +285,7 @@ class Rendezvous:
         self.generation = (n - 1) // self.world_size
         return self.generation
 
-    async def _wait_get(self, key: str) -> bytes:
+    async def _wait_get(self, key: str, what: str = "") -> bytes:
         """Wait for ``key`` (bounded by the connect deadline), failing early when another
         rank has published a connect failure: a rank that cannot connect must not leave
         the others waiting out a long connect timeout (900 s under a torch process group
@@ -226,7 +308,16 @@ class Rendezvous:
                 pause = min(pause * 2, POLL_MAX_S)
             return self.store.get(key)
 
-        value = await self._call(wait_get)
+        try:
+            value = await self._call(wait_get)
+        except PeerFailedError:
+            raise
+        except RendezvousError as exc:
+            if what and time.monotonic() >= self.deadline:
+                raise RendezvousError(
+                    f"rank {self.rank}: {what} within the connect timeout"
+                ) from exc
+            raise
         return bytes(value) if not isinstance(value, bytes) else value
 
     def _raise_if_failed(self, fail_key: str) -> None:
@@ -307,20 +398,35 @@ class Rendezvous:
         except Exception as exc:
             log.debug("rank %d: could not publish the connect failure: %s", self.rank, exc)
 
-    async def token(self) -> bytes:
-        """The job token: rank 0 draws it; the others read it."""
+    async def credentials(self) -> tuple[bytes, int]:
+        """(job token, communicator id): rank 0 draws the token and takes the next id from
+        the job-wide counter (:data:`COMM_ID_KEY`); the others read both."""
         key = self._key("token")
         if self.rank == 0:
+            comm = int(await self._call(root_store(self.store).add, COMM_ID_KEY, 1))
             tok = secrets.token_bytes(TOKEN_NBYTES)
-            await self._call(self.store.set, key, tok)
-            return tok
-        tok = await self._wait_get(key)
-        if len(tok) != TOKEN_NBYTES:
-            raise RendezvousError(f"malformed job token in the store ({len(tok)} bytes)")
-        return tok
+            await self._call(self.store.set, key, tok + struct.pack("<I", comm & 0xFFFFFFFF))
+            return tok, comm & 0xFFFFFFFF
+        raw = await self._wait_get(key, "rank 0 did not publish the job token")
+        if len(raw) != TOKEN_NBYTES + 4:
+            raise RendezvousError(f"malformed job token in the store ({len(raw)} bytes)")
+        return raw[:TOKEN_NBYTES], struct.unpack_from("<I", raw, TOKEN_NBYTES)[0]
+
+    async def token(self) -> bytes:
+        """The job token (see :meth:`credentials`)."""
+        return (await self.credentials())[0]
 
     async def publish(self, address: PeerAddress) -> None:
         await self._call(self.store.set, self._key(f"addr/{self.rank}"), address.pack())
 
     async def peer(self, rank: int) -> PeerAddress:
-        return PeerAddress.unpack(await self._wait_get(self._key(f"addr/{rank}")))
+        """``rank``'s address; RendezvousError naming both sizes when it was started with
+        another world size."""
+        raw = await self._wait_get(self._key(f"addr/{rank}"), f"rank {rank} did not show up")
+        addr = PeerAddress.unpack(raw)
+        if addr.world_size and addr.world_size != self.world_size:
+            raise RendezvousError(
+                f"world size mismatch: rank {self.rank} was started with world_size "
+                f"{self.world_size}, rank {rank} with world_size {addr.world_size}"
+            )
+        return addr

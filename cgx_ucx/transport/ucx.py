@@ -39,10 +39,12 @@ from ..errors import TransportError
 from . import progress as _progress
 
 __all__ = [
+    "ABORT_PERIOD_NS",
     "TCP_ONLY_DEFAULTS",
     "UCX_DEFAULTS",
     "acquire",
     "apply_env_defaults",
+    "errors",
     "release",
     "ucxx_module",
 ]
@@ -69,6 +71,10 @@ TCP_ONLY_DEFAULTS: dict[str, str] = {"UCX_RNDV_THRESH": "inf"}
 #: What ucxx puts in UCX_RNDV_THRESH at import when the user did not set it.
 UCXX_RNDV_THRESH = "8192"
 _TCP_TLS = frozenset({"tcp", "self", "sockcm", "tcp_sockcm"})
+
+#: Period handed to UCXX's endpoint abort (ns): the default of 10 s would stall a close
+#: on an endpoint whose peer is gone.
+ABORT_PERIOD_NS = 100_000_000
 
 _lock = threading.Lock()
 _users = 0
@@ -123,6 +129,19 @@ def ucxx_module() -> Any:
     return ucxx
 
 
+_ERRORS: tuple[type[BaseException], ...] = ()
+
+
+def errors() -> tuple[type[BaseException], ...]:
+    """The exception types UCXX raises for failed operations (imported lazily)."""
+    global _ERRORS
+    if not _ERRORS:
+        from ucxx._lib.libucxx import UCXError
+
+        _ERRORS = (UCXError,)
+    return _ERRORS
+
+
 def _drop_stale_memtype_cache(ucxx: Any) -> None:
     # ucxx sets UCX_MEMTYPE_CACHE=n for UCX versions that had the option; 1.19+ warn
     # about it as unknown on every context start.
@@ -160,7 +179,7 @@ def acquire(progress_mode: str, ucx_env: Mapping[str, str] | None = None) -> Any
         # Make sure the calling loop drives progress (a no-op when it already does); in
         # blocking mode with our own event-driven driver (see .progress for why).
         loop = asyncio.get_running_loop()
-        ctx = ucxx.core._get_ctx()
+        ctx = _progress.ucxx_context(ucxx)
         ctx.continuous_ucx_progress(loop)
         if ctx.progress_mode == "blocking":
             _progress.install(ucxx, loop)
@@ -204,14 +223,21 @@ def _stop_progress_tasks(ucxx: Any) -> None:
     tasks.clear()
 
 
-def release() -> None:
-    """Drop one user; the last one shuts the context down (when we started it)."""
+def release(reset: bool = True) -> None:
+    """Drop one user; the last one shuts the context down (when we started it).
+
+    ``reset=False`` keeps the context running (a later :func:`acquire` reuses it): for
+    a user that could not wait for a connection handshake still in flight inside ucxx,
+    since resetting UCX under a half-made endpoint crashed the process (SIGSEGV)."""
     global _users, _owned
     with _lock:
         if _users <= 0:
             return
         _users -= 1
         if _users or not _owned:
+            return
+        if not reset:
+            log.info("UCX context kept: a connection handshake was still in flight")
             return
         ucxx = sys.modules.get("ucxx")
         if ucxx is None:

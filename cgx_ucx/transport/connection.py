@@ -1,0 +1,314 @@
+"""Connecting a mesh: rendezvous, the control channel (dial the lower ranks, accept the
+higher ones, each connection proving membership, :mod:`.handshake`), the data channel
+(worker-address endpoints and a keyed HELLO on each), all bounded by the connect deadline.
+
+Failing fast and naming the culprit (issue 13): a rank whose connect fails publishes why
+in the store, and every other rank's set-up steps race that news, so every rank names the
+culprit within ~0.1 s of the first failure instead of waiting out its own dial (and then
+blaming a healthy rank); each step is bounded by what is left of ``connect_timeout``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..errors import CGXError, ProtocolError, RendezvousError
+from . import handshake as _hs
+from . import progress as _progress
+from . import ucx as _ucx
+from .rendezvous import PeerAddress, PeerFailedError, Rendezvous, node_id, with_rank
+from .rendezvous import default_host as _default_host
+
+if TYPE_CHECKING:
+    from ..config import CommConfig
+    from .mesh import Mesh
+
+__all__ = ["MAX_WORLD_SIZE", "MeshSetup"]
+
+log = logging.getLogger("cgx_ucx.transport")
+
+#: Ranks a frame header can name.
+MAX_WORLD_SIZE = 1 << 12
+ABORT_PERIOD_NS = _ucx.ABORT_PERIOD_NS
+
+
+def _consume(fut: asyncio.Future) -> None:
+    # Failures are re-raised to callers as copies; silence "exception never retrieved".
+    if not fut.cancelled():
+        fut.exception()
+
+
+class MeshSetup:
+    """The connecting half of :class:`~cgx_ucx.transport.mesh.Mesh` (a mixin: the state
+    it fills in is declared and documented there)."""
+
+    rank: int
+    world_size: int
+    config: CommConfig
+    peers: dict[int, Any]
+    auth: _hs.Auth
+    comm_id: int
+    stats: Any
+    local_ranks: list[int]
+    _ucxx: Any
+    _listener: Any
+    _loop: asyncio.AbstractEventLoop | None
+    _failed: asyncio.Future | None
+    _accepted: dict[int, asyncio.Future]
+    _closing: bool
+    _tasks: set[asyncio.Task]
+    _setup_tasks: set[asyncio.Future]
+
+    @classmethod
+    async def connect(
+        cls,
+        store: Any,
+        rank: int,
+        world_size: int,
+        config: CommConfig,
+        prefix: str = "cgx",
+        host: str | None = None,
+        data_error_handling: bool = True,
+    ) -> Mesh:
+        """Rendezvous through ``store``, connect both channels to every peer, prove membership.
+
+        ``data_error_handling=False`` lets UCX use CMA zero-copy between processes of one
+        host, but UCX then treats a failed transfer as fatal: a peer killed while a
+        transfer from it is pending aborts this process (see the module docstring).
+        """
+        if not 0 < world_size <= MAX_WORLD_SIZE:
+            raise RendezvousError(f"world_size must be in 1..{MAX_WORLD_SIZE}, got {world_size}")
+        if not 0 <= rank < world_size:
+            raise RendezvousError(f"rank {rank} outside 0..{world_size - 1}")
+        deadline = time.monotonic() + config.connect_timeout
+        rdzv = Rendezvous(store, rank, world_size, prefix, deadline)
+        mesh: Mesh | None = None
+        try:
+            await rdzv.join()
+            # A rank that fails publishes why; the watch ends every other rank's waits
+            # (store keys, dials, accepts, data hello) within ~0.1 s of it.
+            rdzv.start_watch()
+            token, comm = await rdzv.credentials()
+            mesh = cls(rank, world_size, config, token, data_error_handling, comm)
+            await mesh._start(rdzv, host or _default_host(store))
+        except BaseException as exc:
+            if isinstance(exc, Exception) and not isinstance(exc, PeerFailedError):
+                await rdzv.publish_failure(with_rank(rank, str(exc)))
+            await rdzv.stop_watch()
+            rdzv.close(wait=False)
+            if mesh is not None:
+                await mesh.abort()
+            if isinstance(exc, CGXError) and not str(exc).startswith(f"rank {rank}: "):
+                raise type(exc)(with_rank(rank, str(exc))) from exc
+            raise
+        await rdzv.stop_watch()
+        rdzv.close()
+        return mesh
+
+    async def _start(self, rdzv: Rendezvous, host: str) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._failed = self._loop.create_future()
+        self._failed.add_done_callback(_consume)
+        self._ucxx = _ucx.acquire(self.config.progress_mode, self.config.ucx_env)
+        drv = _progress.driver(self._loop)
+        if drv is not None:
+            drv.boost(True)
+        try:
+            await self._connect_all(rdzv, host)
+        finally:
+            if drv is not None:
+                drv.boost(False)
+
+    async def _connect_all(self, rdzv: Rendezvous, host: str) -> None:
+        ucxx = self._ucxx
+        assert self._loop is not None
+        self._accepted = {r: self._loop.create_future() for r in self.peers if r > self.rank}
+        for f in self._accepted.values():
+            f.add_done_callback(_consume)
+        if self.world_size > 1:
+            self._listener = ucxx.create_listener(
+                self._on_accept, port=0, connect_timeout=self.config.connect_timeout
+            )
+            port = self._listener.port
+        else:
+            port = 0
+        worker_address = bytes(ucxx.get_worker_address().tobytes())
+        addr = PeerAddress(host, port, worker_address, node_id(), self.world_size)
+        await rdzv.publish(addr)
+        if self.world_size == 1:
+            return
+        peers = {r: await rdzv.peer(r) for r in self.peers}
+        self.local_ranks = sorted(
+            [self.rank, *(r for r, a in peers.items() if a.node == addr.node)]
+        )
+        # Control channel: each rank dials the lower ranks and accepts the higher ones.
+        await self._setup(
+            rdzv, [self._dial(r, peers[r], rdzv) for r in self.peers if r < self.rank]
+        )
+        for r, fut in self._accepted.items():
+            try:
+                self.peers[r].ctrl, self.peers[r].keys = await rdzv.race(
+                    asyncio.shield(fut), _hs.remaining(rdzv.deadline)
+                )
+            except TimeoutError:
+                raise RendezvousError(
+                    f"rank {self.rank}: rank {r} did not connect within the connect "
+                    f"timeout ({self.config.connect_timeout:g} s)"
+                ) from None
+        # Data channel: worker-address endpoints (shared memory / CMA / cuda_ipc).
+        for r, p in self.peers.items():
+            address = ucxx.get_ucx_address_from_buffer(peers[r].worker_address)
+            p.data = await ucxx.create_endpoint_from_worker_address(
+                address, endpoint_error_handling=self.data_error_handling
+            )
+        hellos = [
+            _hs.data_hello(p.data, self.auth, self.rank, r, p.keys)  # type: ignore[arg-type]
+            for r, p in self.peers.items()
+        ]
+        await self._setup(rdzv, hellos, "data-channel membership handshake", cancellable=True)
+        for p in self.peers.values():
+            p.ctrl.set_close_callback(self._on_ctrl_closed, cb_args=(p.rank,))
+            p.ctrl_task = self._loop.create_task(self._control_loop(p))
+        log.info(
+            "rank %d/%d connected (communicator %d; control via listener %s:%d, data via "
+            "worker addresses)",
+            self.rank,
+            self.world_size,
+            self.comm_id,
+            host,
+            port,
+        )
+
+    async def _setup(
+        self, rdzv: Rendezvous, steps: list[Any], what: str = "", cancellable: bool = False
+    ) -> None:
+        """Run set-up steps until all are done, one fails, the connect deadline passes
+        or another rank publishes a failure, whichever comes first.
+
+        Steps are never cancelled mid-way: a UCX handshake abandoned with a request
+        pending crashed the UCX reset that follows (SIGSEGV). A step still running when
+        this raises is left to end on its own deadline; :meth:`abort` waits for it.
+        ``cancellable`` steps (ours alone, no ucxx-internal request) are cancelled there."""
+        tasks = [asyncio.ensure_future(s) for s in steps]
+        group: set[Any] = self._tasks if cancellable else self._setup_tasks
+        group.update(tasks)
+        for t in tasks:
+            t.add_done_callback(group.discard)
+            t.add_done_callback(_consume)
+        if not tasks:
+            return
+        first_error = asyncio.ensure_future(_first_error(tasks))
+        try:
+            await rdzv.race(asyncio.shield(first_error), _hs.remaining(rdzv.deadline))
+        except TimeoutError:
+            raise RendezvousError(
+                f"rank {self.rank}: {what or 'connecting'} did not finish within the "
+                f"connect timeout ({self.config.connect_timeout:g} s)"
+            ) from None
+        finally:
+            first_error.cancel()
+
+    async def _dial(self, r: int, addr: PeerAddress, rdzv: Rendezvous) -> None:
+        deadline = rdzv.deadline
+        where = f"rank {r} at {addr.host}:{addr.port}"
+        try:
+            # Resolve first: UCX's own failure on a bad name left a half-made endpoint
+            # whose collection at UCX reset crashed the process (SIGSEGV).
+            if not _numeric_ip(addr.host):
+                # On the store thread: the loop's default executor would leave a thread.
+                await asyncio.wait_for(
+                    rdzv.run_blocking(socket.getaddrinfo, addr.host, addr.port),
+                    _hs.remaining(deadline),
+                )
+        except (TimeoutError, OSError) as exc:
+            raise RendezvousError(
+                f"rank {self.rank}: cannot connect to {where}: cannot resolve the address: {exc}"
+            ) from exc
+        try:
+            # No wait_for around it: ucxx bounds its own exchange by connect_timeout,
+            # and cancelling it mid-way abandons a pending UCX request (see _setup).
+            ep = await self._ucxx.create_endpoint(
+                addr.host, addr.port, connect_timeout=_hs.remaining(deadline)
+            )
+        except (TimeoutError, *_ucx.errors()) as exc:
+            raise RendezvousError(
+                f"rank {self.rank}: cannot connect to {where}: {exc or type(exc).__name__}"
+            ) from exc
+        try:
+            keys = await asyncio.wait_for(
+                _hs.dial(ep, self.auth, self.rank, r), _hs.remaining(deadline)
+            )
+        except (TimeoutError, ProtocolError, *_ucx.errors()) as exc:
+            ep.abort(period=ABORT_PERIOD_NS)
+            raise RendezvousError(
+                f"rank {self.rank}: rank {r} did not complete the membership handshake: "
+                f"{exc or type(exc).__name__}"
+            ) from exc
+        except BaseException:
+            with contextlib.suppress(Exception):
+                ep.abort(period=ABORT_PERIOD_NS)
+            raise
+        self.peers[r].ctrl, self.peers[r].keys = ep, keys
+
+    async def _on_accept(self, ep: Any) -> None:
+        """Listener callback: the connection must prove membership before it is used."""
+        if self._closing:  # arrived while we tear down: nothing to prove it for
+            ep.abort(period=ABORT_PERIOD_NS)
+            return
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+
+        def expected(rank: int) -> bool:
+            fut = self._accepted.get(rank)
+            return fut is not None and not fut.done()
+
+        try:
+            r, keys = await asyncio.wait_for(
+                _hs.accept(ep, self.auth, self.rank, expected), self.config.connect_timeout
+            )
+            if not expected(r):
+                raise ProtocolError(f"rank {r} connected twice")
+            self._accepted[r].set_result((ep, keys))
+        except (TimeoutError, ProtocolError, *_ucx.errors()) as exc:
+            self.stats.refused_connections += 1
+            log.warning(
+                "rank %d: closing a connection that did not prove membership: %s",
+                self.rank,
+                exc or type(exc).__name__,
+            )
+            ep.abort(period=ABORT_PERIOD_NS)
+        except BaseException:
+            # Cancelled by abort() mid-handshake: an endpoint left open here crashed the
+            # UCX reset that follows (SIGSEGV in gc at ucxx.reset()).
+            with contextlib.suppress(Exception):
+                ep.abort(period=ABORT_PERIOD_NS)
+            raise
+        finally:
+            if task is not None:
+                self._tasks.discard(task)
+
+
+async def _first_error(tasks: list[asyncio.Future]) -> None:
+    """Return when every task is done; raise the first failure as soon as it happens."""
+    pending = set(tasks)
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            if not t.cancelled() and t.exception() is not None:
+                raise t.exception()  # type: ignore[misc]
+
+
+def _numeric_ip(host: str) -> bool:
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, host)
+        except OSError:
+            continue
+        return True
+    return False

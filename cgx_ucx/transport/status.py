@@ -1,0 +1,104 @@
+"""Where a rank is: the collectives it started and finished, as told to a peer that asks.
+
+When a wait on a peer times out, the mesh asks that peer on the control channel
+(STATUS_REQUEST) and the peer answers with a STATUS frame built from its
+:class:`Activity`, so the timeout error can say "rank 1 is alive and still in collective
+#3 (allreduce, numel 4096)" instead of "rank 1 is gone" (issue 13; torch's flight
+recorder is the model). The communicator reports starts and ends through
+:meth:`~cgx_ucx.transport.mesh.Mesh.collective_started` / ``collective_finished``; without
+them the mesh still knows the latest collective this rank sent a frame for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .frames import Coll, Frame, Kind
+
+__all__ = ["STATUS_WAIT_S", "Activity", "PeerStatus"]
+
+#: How long a timed-out wait waits for the peer's STATUS answer: a live peer's event
+#: loop answers within milliseconds; one that does not answer within this is reported
+#: as not answering (blocked, or cut off), never as gone.
+STATUS_WAIT_S = 1.0
+#: Longest description a STATUS frame carries.
+MAX_WHAT_NBYTES = 256
+
+
+class Activity:
+    """This rank's collectives: the latest started (seq, description) and finished seq."""
+
+    __slots__ = ("_explicit", "finished_seq", "started_seq", "what")
+
+    def __init__(self) -> None:
+        self.started_seq = 0
+        self.what = ""
+        self.finished_seq = 0
+        self._explicit = False  # the communicator reports finishes (else unknown)
+
+    def started(self, seq: int, what: str) -> None:
+        if seq >= self.started_seq:
+            self.started_seq, self.what = seq, what
+
+    def finished(self, seq: int) -> None:
+        self._explicit = True
+        self.finished_seq = max(self.finished_seq, seq)
+
+    def sending(self, frame: Frame) -> None:
+        """Called for every frame sent: the fallback record of the latest collective."""
+        if frame.seq > self.started_seq:
+            self.started_seq = frame.seq
+            try:
+                name = Coll(frame.collective).name.lower()
+            except ValueError:
+                name = f"collective kind {frame.collective}"
+            self.what = f"{name}, numel {frame.numel}"
+
+    def frame(self, job: int, src: int) -> tuple[Frame, str]:
+        """The STATUS answer: seq = latest started, count = latest finished + 1 (0: this
+        rank does not know), payload = the description."""
+        count = self.finished_seq + 1 if self._explicit else 0
+        head = Frame(kind=Kind.STATUS, job=job, src=src, seq=self.started_seq, count=count)
+        return head, self.what[:MAX_WHAT_NBYTES]
+
+
+@dataclass
+class PeerStatus:
+    """What a peer said about itself (or that it is gone / did not answer)."""
+
+    rank: int
+    gone: bool = False
+    answered: bool = False
+    started_seq: int = 0
+    finished_seq: int | None = None
+    what: str = ""
+
+    @classmethod
+    def from_frame(cls, frame: Frame, what: str) -> PeerStatus:
+        finished = frame.count - 1 if frame.count else None
+        return cls(frame.src, False, True, frame.seq, finished, what)
+
+    @property
+    def alive(self) -> bool | None:
+        """True: it answered; False: its control channel is down; None: no answer."""
+        if self.gone:
+            return False
+        return True if self.answered else None
+
+    def describe(self) -> str:
+        r = self.rank
+        if self.gone:
+            return f"rank {r} is gone"
+        if not self.answered:
+            return (
+                f"rank {r} is connected but did not answer a status request within "
+                f"{STATUS_WAIT_S:g} s (busy outside its event loop, or cut off)"
+            )
+        if self.started_seq == 0:
+            return f"rank {r} is alive and has not started any collective"
+        latest = f"collective #{self.started_seq} ({self.what})"
+        if self.finished_seq is None:
+            return f"rank {r} is alive; the latest collective it started is {latest}"
+        if self.finished_seq >= self.started_seq:
+            return f"rank {r} is alive and idle; it finished {latest}"
+        return f"rank {r} is alive and still in {latest}"

@@ -1,0 +1,239 @@
+"""Trust across processes (issue 13): a process that can read the store must not inject
+data into a job, join it without the out-of-band secret, or disturb it; communicator
+ids never collide, however many communicators a job makes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import struct
+import time
+
+import numpy as np
+import pytest
+from harness import run_ranks
+
+from cgx_ucx.collectives import connect
+from cgx_ucx.config import CommConfig
+from cgx_ucx.errors import CGXError
+
+CFG = CommConfig(timeout=20.0, connect_timeout=30.0)
+N = 32768  # values per allreduce: the payload rides UCX's rendezvous protocol
+
+
+async def _key(store, key, timeout=40.0):
+    """Wait for a store key without blocking the event loop (UCX progress runs on it)."""
+    end = time.monotonic() + timeout
+    while not store.check([key]):
+        assert time.monotonic() < end, f"key {key} not set"
+        await asyncio.sleep(0.01)
+
+
+def _old_tag(comm: int, seq: int, src: int, phase: int, slot: int, payload: bool) -> int:
+    """The tag layout before issue 13 (communicator 12 | seq 20 | src 12 | phase 4 |
+    slot 15 | payload 1), which a store reader could compute."""
+    t = comm
+    t = (t << 20) | (seq & 0xFFFFF)
+    t = (t << 12) | src
+    t = (t << 4) | phase
+    t = (t << 15) | slot
+    return (t << 1) | int(payload)
+
+
+async def _inject(ctx, foreign_job: bool) -> int:
+    """Read rank 0's worker address and the job token from the store, connect to rank
+    0's worker and post DATA frames claiming to be rank 1 for the next collectives, on
+    every tag a store reader could compute, with payloads of 1001.0."""
+    import ucxx
+
+    from cgx_ucx.transport.frames import Coll, Frame, Kind, Op, dtype_code
+    from cgx_ucx.transport.handshake import structured_tag
+    from cgx_ucx.transport.rendezvous import PeerAddress
+
+    addr = PeerAddress.unpack(ctx.store.get("cgx/0/addr/0"))
+    raw = ctx.store.get("cgx/0/token")
+    job = struct.unpack_from("<Q", raw, 0)[0]
+    comm = struct.unpack_from("<I", raw, 16)[0] if len(raw) >= 20 else 0
+    if foreign_job:
+        job ^= 0x5A5A5A5A
+    ep = await ucxx.create_endpoint_from_worker_address(
+        ucxx.get_ucx_address_from_buffer(addr.worker_address)
+    )
+    payload = np.full(N, 1001.0, np.float32)
+    sends = []
+    for seq in range(2, 6):
+        for phase in range(4):
+            for slot in range(2):
+                head = Frame(
+                    kind=Kind.DATA,
+                    job=job,
+                    comm=comm,
+                    seq=seq,
+                    src=1,
+                    phase=phase,
+                    slot=slot,
+                    collective=Coll.ALLREDUCE,
+                    reduce_op=Op.SUM,
+                    dtype=dtype_code(np.float32),
+                    bits=32,
+                    numel=N,
+                    payload=payload.nbytes,
+                    count=1,
+                ).pack()
+                guesses = [structured_tag(seq, phase, slot, False)]
+                old_comm = struct.unpack_from("<H", raw, 8)[0] & 0xFFF  # the 12 random bits
+                guesses += [_old_tag(c, seq, 1, phase, slot, False) for c in (comm, old_comm)]
+                for tag in guesses:
+                    hb = np.frombuffer(head, np.uint8).copy()
+                    sends.append(asyncio.ensure_future(ep.send(hb, tag=tag, force_tag=True)))
+                    sends.append(
+                        asyncio.ensure_future(ep.send(payload, tag=tag | 1, force_tag=True))
+                    )
+    # Small messages go out eagerly; the payloads wait for a match that must never come.
+    await asyncio.wait(sends, timeout=3.0)
+    return len(sends)
+
+
+async def injection(ctx, foreign_job):
+    if ctx.rank == 2:
+        n = await _inject(ctx, foreign_job)
+        ctx.store.set("injected", b"1")
+        await _key(ctx.store, "finished/0")
+        await _key(ctx.store, "finished/1")
+        os._exit(0)  # the injected sends are still pending: skip UCX's teardown
+        return n
+    async with await connect(ctx.store, ctx.rank, 2, config=CFG) as comm:
+        x = np.full(N, ctx.rank + 1.0, np.float32)
+        await comm.allreduce(x)  # collective #1: both ranks connected and working
+        await _key(ctx.store, "injected")
+        outcomes = []
+        for _ in range(4):  # collectives #2..#5, the ones the injected frames aim at
+            x = np.full(N, ctx.rank + 1.0, np.float32)
+            try:
+                await comm.allreduce(x)
+                outcomes.append("correct" if np.all(x == 3.0) else f"WRONG {x[:4]}")
+            except CGXError as exc:
+                outcomes.append(f"{type(exc).__name__}: {exc}")
+                break
+        ctx.store.set(f"finished/{ctx.rank}", b"1")
+        return outcomes
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("foreign_job", [False, True], ids=["job-token", "foreign-job"])
+def test_injected_data_frames_are_never_accepted(foreign_job):
+    """Issue 13: a store reader posting DATA frames for future sequence numbers as rank 1
+    made rank 0's next allreduce return 1001.0 instead of 3.0 (member job id), or killed
+    the job blaming the live rank 1 (foreign job id). The injected frames are on tags no
+    receive matches (secret per-pair prefixes), so the job goes on, correct."""
+    results = run_ranks(injection, 3, args=(foreign_job,), timeout=110, check=False)
+    for r in results[:2]:
+        assert r.ok, r.traceback
+        assert r.value == ["correct"] * 4, r.value
+
+
+async def wrong_secret_intruder(ctx):
+    """Ranks 0 and 1 share a secret; rank 2 read the store and dials rank 0 as rank 1
+    with a wrong secret while rank 0 waits for the real rank 1."""
+    cfg = CommConfig(timeout=20.0, connect_timeout=40.0, secret="right horse battery")
+    if ctx.rank == 2:
+        import ucxx
+
+        from cgx_ucx.transport import handshake as hs
+        from cgx_ucx.transport.rendezvous import PeerAddress
+
+        await _key(ctx.store, "cgx/0/addr/0")
+        addr = PeerAddress.unpack(ctx.store.get("cgx/0/addr/0"))
+        raw = ctx.store.get("cgx/0/token")
+        token, comm = raw[:16], struct.unpack_from("<I", raw, 16)[0]
+        job = struct.unpack_from("<Q", token, 0)[0]
+        outcomes = []
+        for secret in (hs.hash_bytes("wrong"), None):
+            auth = hs.Auth(token, job, comm, secret)
+            ep = await ucxx.create_endpoint(addr.host, addr.port)
+            try:
+                await asyncio.wait_for(hs.dial(ep, auth, 1, 0), 10)
+                outcomes.append("joined")
+            except CGXError as exc:
+                outcomes.append(f"{type(exc).__name__}: {exc}")
+            ep.abort()
+        await asyncio.sleep(0.5)
+        ctx.store.set("intruded", b"1")
+        return outcomes
+    if ctx.rank == 1:
+        await _key(ctx.store, "intruded")
+    async with await connect(ctx.store, ctx.rank, 2, config=cfg) as comm:
+        x = np.full(1000, ctx.rank + 1.0, np.float32)
+        await comm.allreduce(x)
+        return x.tolist() == [3.0] * 1000, comm._mesh.stats.refused_connections
+
+
+@pytest.mark.timeout(120)
+def test_wrong_secret_cannot_join_and_the_job_is_not_disturbed():
+    results = run_ranks(wrong_secret_intruder, 3, timeout=110)
+    intruder = results[2]
+    assert len(intruder) == 2
+    for outcome in intruder:
+        assert outcome.startswith("ProtocolError") and "could not prove membership" in outcome
+    assert "secret" in intruder[0] or "token" in intruder[0]
+    (ok0, refused0), (ok1, _) = results[0], results[1]
+    assert ok0 and ok1
+    assert refused0 >= 2
+
+
+async def mismatched_secrets(ctx):
+    cfg = CommConfig(timeout=10.0, connect_timeout=30.0, secret=f"secret of rank {ctx.rank}")
+    start = time.monotonic()
+    try:
+        await connect(ctx.store, ctx.rank, ctx.world_size, config=cfg)
+    except CGXError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return "connected", "", time.monotonic() - start
+
+
+@pytest.mark.timeout(90)
+def test_ranks_with_different_secrets_fail_fast_and_say_so():
+    results = run_ranks(mismatched_secrets, 2, timeout=80)
+    for kind, text, elapsed in results:
+        assert kind in ("RendezvousError", "PeerFailedError"), (kind, text)
+        assert "secret" in text, text
+        assert elapsed < 10.0, elapsed
+
+
+def test_secret_from_the_environment_is_never_shown():
+    from cgx_ucx.config import resolve_comm
+
+    cfg = resolve_comm(env={"CGX_UCX_SECRET": "hunter2"})
+    assert cfg.secret == "hunter2"
+    assert "hunter2" not in repr(cfg) and "hunter2" not in str(cfg)
+    assert resolve_comm(env={}).secret is None
+
+
+#: Communicators one job makes in the collision test: with 12 random bits (before issue
+#: 13) 200 communicators shared an id with probability ~99%.
+GROUPS = 200
+
+
+async def many_communicators(ctx):
+    cfg = CommConfig(timeout=60.0, connect_timeout=60.0)
+    comms = []
+    try:
+        for i in range(GROUPS):
+            # A prefix per group, as torch gives each process group its own PrefixStore.
+            comms.append(await connect(ctx.store, ctx.rank, 2, config=cfg, prefix=f"g{i}"))
+        ids = [c._mesh.comm_id for c in comms]
+        xs = [np.full(1000, float(i + ctx.rank), np.float32) for i in range(GROUPS)]
+        # All at once: a tag shared by two communicators would mix their messages.
+        await asyncio.gather(*(c.allreduce(x) for c, x in zip(comms, xs, strict=True)))
+        wrong = [i for i, x in enumerate(xs) if not np.all(x == 2.0 * i + 1.0)]
+        return ids, wrong
+    finally:
+        for c in comms:
+            await c.close()
+
+
+@pytest.mark.timeout(240)
+def test_two_hundred_communicators_in_one_job_never_collide():
+    (ids0, wrong0), (ids1, wrong1) = run_ranks(many_communicators, 2, timeout=230)
+    assert ids0 == ids1 and len(set(ids0)) == GROUPS
+    assert wrong0 == wrong1 == []
