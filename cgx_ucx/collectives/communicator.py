@@ -329,8 +329,8 @@ def _share_codec_threads(local_ranks: int) -> None:
 
     A parallel Numba kernel waits for its slowest thread; with several ranks per host
     each running all-core kernels, the threads oversubscribe the cores and wait for time
-    slices, which made a large 4-bit allreduce several times slower than one thread per
-    rank (see benchmarks/results/ for the codec-thread runs).
+    slices: a large 4-bit allreduce then runs several times slower than with the cores
+    shared out between the ranks.
     """
     try:
         from ..compression import cpu
