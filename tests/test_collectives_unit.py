@@ -36,7 +36,7 @@ from cgx_ucx.errors import (
     TransportError,
 )
 from cgx_ucx.layout import LayerSpec, Layout
-from cgx_ucx.transport.frames import AbortCode, Frame, Kind
+from cgx_ucx.transport.frames import FRAME_NBYTES, AbortCode, Frame, Kind
 from cgx_ucx.transport.mesh import TransportStats
 
 pytestmark = pytest.mark.timeout(60)
@@ -126,7 +126,7 @@ class FakeTransport:
         key = (self.rank, rank, frame.seq, frame.phase, frame.slot)
         self.net.queue(*key, False).put_nowait(frame.pack())
         self.stats.messages_sent += 1
-        self.stats.bytes_sent += 64
+        self.stats.bytes_sent += FRAME_NBYTES
         if payload is not None and frame.payload:
             data = np.array(payload, copy=True)  # the sender may reuse its buffer afterwards
             assert data.dtype == np.uint8 and data.nbytes == frame.payload
