@@ -4,8 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
-echo "test: ruff lint and format check (~5 s)"
+echo "test: ruff lint and format check, import layers (~10 s)"
 ruff check .
 ruff format --check .
+lint-imports
 echo "test: the pytest suite (several minutes on 2 cores)"
 python -m pytest -q -p no:cacheprovider "$@"
