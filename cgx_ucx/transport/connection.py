@@ -17,12 +17,14 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CGXError, ProtocolError, RendezvousError
+from ..errors import CGXError, ConfigError, ProtocolError, RendezvousError
 from . import handshake as _hs
+from . import levels as _levels
 from . import progress as _progress
 from . import ucx as _ucx
 from .rendezvous import PeerAddress, PeerFailedError, Rendezvous, node_id, with_rank
 from .rendezvous import default_host as _default_host
+from .topology import HierarchyConfig, NodeHints, Topology
 
 if TYPE_CHECKING:
     from ..config import CommConfig
@@ -55,6 +57,8 @@ class MeshSetup:
     comm_id: int
     stats: Any
     local_ranks: list[int]
+    topology: Topology
+    hierarchy: HierarchyConfig
     _ucxx: Any
     _listener: Any
     _loop: asyncio.AbstractEventLoop | None
@@ -137,15 +141,28 @@ class MeshSetup:
             port = self._listener.port
         else:
             port = 0
-        worker_address = bytes(ucxx.get_worker_address().tobytes())
-        addr = PeerAddress(host, port, worker_address, node_id(), self.world_size)
+        # Both worker addresses: peers on this node dial the full one (shared memory, CMA,
+        # cuda_ipc), peers on other nodes the network-only one (see .levels).
+        addresses = _levels.worker_addresses(_levels.ucp_worker_handle(ucxx))
+        hints = NodeHints.from_env(node_id=self.config.node_id)
+        addr = PeerAddress(
+            host,
+            port,
+            addresses[_levels.ADDRESS_FULL],
+            node_id(),
+            self.world_size,
+            addresses[_levels.ADDRESS_NET_ONLY],
+            hints.pack(),
+        )
         await rdzv.publish(addr)
         if self.world_size == 1:
             return
         peers = {r: await rdzv.peer(r) for r in self.peers}
+        # Ranks on this kernel (codec threads share its cores), not the topology's node.
         self.local_ranks = sorted(
             [self.rank, *(r for r, a in peers.items() if a.node == addr.node)]
         )
+        self.topology = _topology_of(self.rank, hints, peers)
         # Control channel: each rank dials the lower ranks and accepts the higher ones.
         await self._setup(
             rdzv, [self._dial(r, peers[r], rdzv) for r in self.peers if r < self.rank]
@@ -160,17 +177,30 @@ class MeshSetup:
                     f"rank {self.rank}: rank {r} did not connect within the connect "
                     f"timeout ({self.config.connect_timeout:g} s)"
                 ) from None
-        # Data channel: worker-address endpoints (shared memory / CMA / cuda_ipc).
+        # Data channel: worker-address endpoints, per level (.levels): node-local peers on
+        # the full address, the others on the network-only one.
         for r, p in self.peers.items():
-            address = ucxx.get_ucx_address_from_buffer(peers[r].worker_address)
-            p.data = await ucxx.create_endpoint_from_worker_address(
-                address, endpoint_error_handling=self.data_error_handling
-            )
+            kind = _levels.address_kind(self.topology, self.rank, r, self.hierarchy)
+            raw = peers[r].worker_address if kind == _levels.ADDRESS_FULL else peers[r].net_address
+            if not raw:
+                raise RendezvousError(f"rank {r} published no {kind} worker address")
+            try:
+                p.data = await ucxx.create_endpoint_from_worker_address(
+                    ucxx.get_ucx_address_from_buffer(raw),
+                    endpoint_error_handling=self.data_error_handling,
+                )
+            except _ucx.errors() as exc:
+                raise ConfigError(
+                    f"rank {self.rank} cannot reach rank {r} (node {self.topology.node_of[r]}) "
+                    f"on its {kind} worker address: {exc}; across nodes UCX needs a network "
+                    "device both hosts share (check UCX_NET_DEVICES / UCX_TLS)"
+                ) from exc
         hellos = [
             _hs.data_hello(p.data, self.auth, self.rank, r, p.keys)  # type: ignore[arg-type]
             for r, p in self.peers.items()
         ]
         await self._setup(rdzv, hellos, "data-channel membership handshake", cancellable=True)
+        self._record_transports()
         for p in self.peers.values():
             p.ctrl.set_close_callback(self._on_ctrl_closed, cb_args=(p.rank,))
             p.ctrl_task = self._loop.create_task(self._control_loop(p))
@@ -183,6 +213,31 @@ class MeshSetup:
             host,
             port,
         )
+
+    def _record_transports(self) -> None:
+        """Name the lanes UCX gave each data endpoint (final after the data HELLO): in
+        ``stats.transports`` per peer and ``stats.levels`` per level, one INFO line per
+        level. A cross-node endpoint on a node-local transport would mean the ranks share
+        memory across what the launcher calls nodes: refused."""
+        by_level: dict[str, set[str]] = {}
+        for r, p in self.peers.items():
+            try:
+                lanes = _levels.endpoint_transports(p.data.ucp_endpoint)
+            except Exception as exc:  # diagnostics only: never fail the connect for it
+                log.debug("rank %d: cannot query the transports to rank %d: %s", self.rank, r, exc)
+                continue
+            level = _levels.level_of(self.topology, self.rank, r)
+            if level == _levels.LEVEL_CROSS_NODE and _levels.node_local_lanes(lanes):
+                raise ConfigError(
+                    f"rank {self.rank}: the endpoint to rank {r} on another node uses "
+                    f"{_levels.format_transports(lanes)}: node-local transports across nodes"
+                )
+            name = _levels.format_transports(lanes)
+            self.stats.transports[r] = name
+            by_level.setdefault(level, set()).add(name)
+        for level, names in sorted(by_level.items()):
+            self.stats.levels[level] = ", ".join(sorted(names))
+            log.info("rank %d: %s peers on %s", self.rank, level, self.stats.levels[level])
 
     async def _setup(
         self, rdzv: Rendezvous, steps: list[Any], what: str = "", cancellable: bool = False
@@ -292,6 +347,22 @@ class MeshSetup:
         finally:
             if task is not None:
                 self._tasks.discard(task)
+
+
+def _topology_of(rank: int, own: NodeHints, peers: dict[int, PeerAddress]) -> Topology:
+    """The job's topology from every rank's published hints (the same on every rank)."""
+    hints = []
+    for r in range(len(peers) + 1):
+        if r == rank:
+            hints.append(own)
+            continue
+        try:
+            hints.append(NodeHints.unpack(peers[r].hints))
+        except ConfigError as exc:
+            raise RendezvousError(f"rank {r} published bad node hints: {exc}") from exc
+    topology = Topology.from_hints(hints)
+    log.info("rank %d: topology %s", rank, topology.describe())
+    return topology
 
 
 async def _first_error(tasks: list[asyncio.Future]) -> None:

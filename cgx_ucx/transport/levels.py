@@ -45,6 +45,7 @@ __all__ = [
     "endpoint_transports",
     "format_transports",
     "level_of",
+    "node_local_lanes",
     "ucp_worker_handle",
     "worker_addresses",
 ]
@@ -207,6 +208,15 @@ def endpoint_transports(ep_handle: int) -> tuple[Lane, ...]:
 def format_transports(lanes: tuple[Lane, ...]) -> str:
     """``"sysv/memory+posix/memory"``: one string for a log line or a stats field."""
     return "+".join(str(lane) for lane in lanes) or "none"
+
+
+#: Transports that share memory between processes: never right between nodes.
+NODE_LOCAL_TRANSPORTS = frozenset({"sysv", "posix", "cma", "xpmem", "knem", "cuda_ipc", "rocm_ipc"})
+
+
+def node_local_lanes(lanes: tuple[Lane, ...]) -> tuple[Lane, ...]:
+    """The lanes of ``lanes`` that share memory (wrong on a cross-node endpoint)."""
+    return tuple(lane for lane in lanes if lane.transport in NODE_LOCAL_TRANSPORTS)
 
 
 def level_of(topology: Topology, rank: int, peer: int) -> str:

@@ -59,6 +59,7 @@ from .progress import post_recv, post_send
 from .rendezvous import default_host as _default_host  # noqa: F401 (tests import it here)
 from .rendezvous import store_host as store_host
 from .status import STATUS_WAIT_S, Activity, PeerStatus
+from .topology import Topology, resolve_hierarchy
 
 __all__ = [
     "MAX_SLOTS",
@@ -98,6 +99,10 @@ class TransportStats:
     collectives: int = 0
     by_collective: dict[str, int] = field(default_factory=dict)
     refused_connections: int = 0
+    #: The transports UCX gave the data endpoint to each peer (``"tcp/eth0"``), and per
+    #: level (``{"node-local": "sysv/memory+posix/memory", "cross-node": "tcp/eth0"}``).
+    transports: dict[int, str] = field(default_factory=dict)
+    levels: dict[str, str] = field(default_factory=dict)
 
 
 class _Peer:
@@ -160,6 +165,10 @@ class Mesh(MeshSetup):
         self._setup_tasks: set[asyncio.Future] = set()  # dials, data hellos (see _setup)
         #: Ranks on this machine (same kernel), this one included.
         self.local_ranks: list[int] = [rank]
+        #: Which ranks share a node (from every rank's hints at connect) and how the
+        #: allreduce uses the two levels (torch_cgx's variables, see .topology).
+        self.topology = Topology.single_node(world_size)
+        self.hierarchy = resolve_hierarchy()
 
     # -- properties ---------------------------------------------------------------------
     @property

@@ -34,6 +34,7 @@ from contextlib import suppress
 from typing import Any, Protocol
 
 from ..errors import ConfigError, PeerFailedError, RendezvousError
+from .topology import MAX_HINTS_NBYTES
 
 __all__ = [
     "COMM_ID_KEY",
@@ -194,37 +195,62 @@ def node_id() -> str:
 
 
 class PeerAddress:
-    """What a rank publishes: where its listener is, its UCX worker address, its machine,
-    and the world size it was started with."""
+    """What a rank publishes: where its listener is, its UCX worker addresses (full, and
+    network-only for peers on other nodes: :mod:`.levels`), its machine, the world size it
+    was started with, and its packed :class:`~.topology.NodeHints`."""
 
-    # host length, port, worker-address length, node length, world size
-    _HEAD = struct.Struct("<HHIHI")
+    # host length, port, worker-address length, node length, world size,
+    # network-only address length, hints length
+    _HEAD = struct.Struct("<HHIHIIH")
 
     def __init__(
-        self, host: str, port: int, worker_address: bytes, node: str = "", world_size: int = 0
+        self,
+        host: str,
+        port: int,
+        worker_address: bytes,
+        node: str = "",
+        world_size: int = 0,
+        net_address: bytes = b"",
+        hints: bytes = b"",
     ) -> None:
         self.host, self.port, self.worker_address, self.node = host, port, worker_address, node
         self.world_size = world_size
+        self.net_address, self.hints = net_address, hints
 
     def pack(self) -> bytes:
         h, n = self.host.encode(), self.node.encode()
-        head = self._HEAD.pack(len(h), self.port, len(self.worker_address), len(n), self.world_size)
-        return head + h + self.worker_address + n
+        head = self._HEAD.pack(
+            len(h),
+            self.port,
+            len(self.worker_address),
+            len(n),
+            self.world_size,
+            len(self.net_address),
+            len(self.hints),
+        )
+        return head + h + self.worker_address + n + self.net_address + self.hints
 
     @classmethod
     def unpack(cls, raw: bytes) -> PeerAddress:
         if len(raw) < cls._HEAD.size:
             raise RendezvousError("malformed peer address in the store (too short)")
-        hlen, port, alen, nlen, world = cls._HEAD.unpack_from(raw)
-        if alen > MAX_ADDRESS_NBYTES or len(raw) != cls._HEAD.size + hlen + alen + nlen:
+        hlen, port, alen, nlen, world, netlen, hintlen = cls._HEAD.unpack_from(raw)
+        sizes = (hlen, alen, nlen, netlen, hintlen)
+        if (
+            max(alen, netlen) > MAX_ADDRESS_NBYTES
+            or hintlen > MAX_HINTS_NBYTES
+            or len(raw) != cls._HEAD.size + sum(sizes)
+        ):
             raise RendezvousError("malformed peer address in the store (length mismatch)")
-        pos = cls._HEAD.size
+        parts, pos = [], cls._HEAD.size
+        for size in sizes:
+            parts.append(raw[pos : pos + size])
+            pos += size
         try:
-            host = raw[pos : pos + hlen].decode()
-            node = raw[pos + hlen + alen :].decode()
+            host, node = parts[0].decode(), parts[2].decode()
         except UnicodeDecodeError as exc:
             raise RendezvousError("malformed peer address in the store (not UTF-8)") from exc
-        return cls(host, port, raw[pos + hlen : pos + hlen + alen], node, world)
+        return cls(host, port, parts[1], node, world, parts[3], parts[4])
 
 
 class Rendezvous:
