@@ -23,6 +23,7 @@ from ..layout import Layout
 from ..transport.frames import MIXED_BITS, Algo, Coll, Frame, Op
 from ..transport.mesh import MAX_SLOTS
 from .call import Call, make_template
+from .hierarchical import hierarchical, hierarchical_scheme, hierarchical_spec
 from .piece_codec import requantize_piece
 from .plan import PIECE_BYTES, make_plan
 from .reduction import AllreduceSpec
@@ -56,6 +57,8 @@ def prepare_allreduce(
     algorithm: str = "auto",
     stochastic: bool = False,
     seed: int = 0,
+    topology: Any = None,
+    hierarchy: Any = None,
 ) -> tuple[Frame, tuple[Any, AllreduceSpec]]:
     """Check an allreduce's arguments (ConfigError for the first bad one) and return its
     signature frame and what :func:`run_allreduce` needs: the flat view of ``x`` and the
@@ -67,7 +70,12 @@ def prepare_allreduce(
     dtype = np.dtype(flat.dtype)
     avg = op == "avg"
     _check_dtype(dtype, lay.compressed, avg)
-    algo = _algorithm(algorithm, world_size)
+    # Two levels (issue 11): "auto" where the topology and its HierarchyConfig say so,
+    # "hierarchical" asked for; flat where they do not apply.
+    flat_name = "auto" if algorithm == "hierarchical" else algorithm
+    algo = _algorithm(flat_name, world_size)
+    scheme = hierarchical_scheme(algorithm, False, topology, hierarchy)
+    algo = Algo.HIERARCHICAL if scheme is not None else algo
     seed = check_seed(seed)
     raw = not lay.compressed
     acc_dtype = _accumulator_dtype(dtype, raw)
@@ -83,13 +91,16 @@ def prepare_allreduce(
         seed=seed,
         algorithm=algo,
     )
+    if scheme is not None:
+        cross = Algo.SRA if topology.num_nodes <= SRA_MAX_WORLD else Algo.RING
+        spec = hierarchical_spec(spec, lay, topology, hierarchy, scheme, piece_numel, cross)
     template = make_template(
         Coll.ALLREDUCE,
         flat,
         reduce_op=Op.AVG if avg else Op.SUM,
         bits=_uniform_bits(lay),
         algorithm=algo,
-        flags=1 if stochastic and lay.compressed else 0,
+        flags=(1 if stochastic and lay.compressed else 0) | getattr(spec, "flags", 0),
         digest=lay.digest,
     )
     return template, (flat, spec)
@@ -104,7 +115,9 @@ async def run_allreduce(call: Call, state: tuple[Any, AllreduceSpec]) -> None:
         if not spec.raw:
             requantize_alone(call, flat, spec)
         return
-    if spec.algorithm == Algo.RING:
+    if spec.algorithm == Algo.HIERARCHICAL:
+        await hierarchical(call, flat, spec)  # type: ignore[arg-type]
+    elif spec.algorithm == Algo.RING:
         await ring(call, flat, spec)
     else:
         await sra(call, flat, spec)

@@ -301,6 +301,8 @@ class Communicator:
                 algorithm=algorithm,
                 stochastic=stochastic,
                 seed=seed,
+                topology=getattr(self._mesh, "topology", None),
+                hierarchy=getattr(self._mesh, "hierarchy", None),
             ),
             run_allreduce,
         )

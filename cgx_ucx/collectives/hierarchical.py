@@ -1,0 +1,368 @@
+"""The two-level allreduce: node-local reduce-scatter, cross-node allreduce per shard,
+node-local allgather (issue 11; DESIGN.md "Topology").
+
+With ``S`` shards (the smallest node's size; 1 for the leader scheme) the buffer is cut
+into ``S`` shards on bucket boundaries (:mod:`.plan`). On a rank of local index ``i``:
+
+1. Intra-node reduce-scatter (phase 1, node peers): the rank sends every piece of shard
+   ``j`` to its node's rank of local index ``j`` (for every ``j < S``, ``j != i``); the
+   first piece carries the signature. An owner (``i < S``) adds what its node peers sent
+   into an accumulator, in local-rank order. Uncompressed by default (the node-local
+   transport is rarely the bottleneck and every quantization stage adds error);
+   ``HierarchyConfig.intra_compress`` (``CGX_INTRA_COMPRESS=1``) quantizes these pieces.
+2. Cross-node allreduce (phases 1-3, the group of local index ``i`` on every node): the
+   owners of shard ``i`` run SRA or ring (:mod:`.sra`, :mod:`.ring`, compressed as the
+   layout says) on their accumulators through a :class:`~.subgroup.GroupView`. Every rank
+   of the smallest node (and as many of every other node) carries cross-node traffic, so
+   each node sends about the compressed size of the buffer over its link, not ``L``
+   times it. Those algorithms leave the owners of one shard with bit-identical values.
+3. Intra-node allgather (phase 4, node peers): each owner writes its shard into the
+   caller's buffer (divided by the world size for ``op="avg"``) and sends those bytes,
+   uncompressed, to its node peers. Re-quantizing here would add a third rounding of
+   values that already crossed the network quantized, to save node-local bytes only.
+
+Every replica on every node thus ends with the bytes the shard's owners computed from one
+cross-node allreduce: bit-identical. Ranks of local index ``>= S`` (uneven nodes, e.g.
+the third rank of a 3 + 2 job, or every rank but the leader) only send in step 1 and
+receive in step 3.
+
+Stages that share a phase number talk to disjoint peers (node peers in 1 and 3, other
+nodes in 2), so ranks that disagree on the algorithm still meet on phase 1 and raise
+:class:`~cgx_ucx.errors.CollectiveMismatchError`, as for every collective.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError, ProtocolError
+from ..layout import LayerSpec, Layout
+from ..transport.frames import Algo
+from ..transport.mesh import MAX_SLOTS
+from ..transport.topology import HierarchyConfig, Topology
+from .call import PH_SIG, Call, cancel_pending, gather_or_cancel
+from .piece_codec import decode_add_piece
+from .plan import Chunk, make_plan
+from .reduction import AllreduceSpec, PieceSteps
+from .ring import ring
+from .sra import sra
+from .staging import byte_view, synchronize
+from .subgroup import GroupView, StageCall
+
+__all__ = [
+    "FLAG_INTRA_COMPRESS",
+    "FLAG_LEADER",
+    "PH_HIER_GATHER",
+    "HierarchicalSpec",
+    "hierarchical",
+    "hierarchical_scheme",
+    "hierarchical_spec",
+    "shard_layout",
+]
+
+#: Phase of step 3 (node-local allgather); steps 1 and 2 use the phases of SRA/ring.
+PH_HIER_GATHER = 4
+#: Signature flags (bit 0 is stochastic rounding): ranks that disagree on the scheme or
+#: on the intra-node compression would expect different messages, so both are signed.
+FLAG_LEADER = 2
+FLAG_INTRA_COMPRESS = 4
+
+
+@dataclass(frozen=True)
+class HierarchicalSpec(AllreduceSpec):
+    """An :class:`AllreduceSpec` for two levels. ``plan`` cuts the buffer into the
+    ``shards``; ``cross[j]`` is the spec of shard ``j``'s cross-node allreduce (its plan
+    cuts the shard among the nodes)."""
+
+    topology: Topology | None = None
+    scheme: str = "sharded"  # or "leader" (one shard, owned by local rank 0)
+    shards: int = 1
+    intra_compress: bool = False
+    cross: tuple[AllreduceSpec, ...] = ()
+
+    @property
+    def flags(self) -> int:
+        leader = FLAG_LEADER if self.scheme == "leader" else 0
+        return leader | (FLAG_INTRA_COMPRESS if self.intra_compress else 0)
+
+    def cross_group(self, local_index: int) -> tuple[int, ...]:
+        """The ranks of local index ``local_index`` on every node (node order)."""
+        assert self.topology is not None
+        return tuple(node[local_index] for node in self.topology.nodes)
+
+
+def hierarchical_scheme(
+    algorithm: str,
+    one_round: bool,
+    topology: Topology | None,
+    hierarchy: HierarchyConfig | None,
+) -> str | None:
+    """``"sharded"`` or ``"leader"`` when this allreduce runs on two levels, else None.
+
+    ``algorithm="auto"`` follows ``hierarchy.plan(topology)`` unless the flat choice
+    is the one-round path (``one_round``: small buffers, where latency, not bytes,
+    dominates);
+    ``algorithm="hierarchical"`` asks for two levels even where the configured scheme is
+    "flat" ("leader" stays leader), and falls back to flat where they do not apply
+    (one node, nodes of one rank, a single-rank node under the sharded scheme).
+    """
+    if topology is None or topology.world_size == 1:
+        return None
+    hierarchy = hierarchy if hierarchy is not None else HierarchyConfig()
+    if algorithm == "hierarchical":
+        if hierarchy.scheme not in ("sharded", "leader"):
+            hierarchy = replace(hierarchy, scheme="sharded")
+    elif algorithm != "auto" or one_round:
+        return None
+    plan = hierarchy.plan(topology)
+    return None if plan == "flat" else plan
+
+
+@functools.lru_cache(maxsize=64)
+def shard_layout(layout: Layout, chunk: Chunk) -> Layout:
+    """The layout of values ``[chunk.start, chunk.stop)`` as a buffer of their own.
+
+    Chunks start on bucket boundaries of their layers (:mod:`.plan`), so every bucket of
+    the shard is a bucket of the whole layout: quantizing the shard alone gives the same
+    buckets and error bound. Layer pieces split across pipeline pieces are joined again.
+    """
+    specs: list[LayerSpec] = []
+    layer_of: list[int] = []
+    for piece in chunk.pieces:
+        for seg in piece.segments:
+            if layer_of and layer_of[-1] == seg.layer:
+                last = specs[-1]
+                specs[-1] = replace(last, numel=last.numel + seg.numel)
+            else:
+                specs.append(
+                    LayerSpec(seg.start - chunk.start, seg.numel, seg.bits, seg.bucket_size)
+                )
+                layer_of.append(seg.layer)
+    if not specs:
+        return Layout((LayerSpec(0, 0, layout.layers[0].bits, layout.layers[0].bucket_size),))
+    return Layout(tuple(specs))
+
+
+def _accumulator_dtype(dtype: np.dtype, raw: bool) -> np.dtype:
+    # The rule of .allreduce: raw integers and 32/64-bit floats in their own dtype.
+    if raw and (dtype.kind in "iu" or dtype.itemsize >= 4):
+        return dtype
+    return np.dtype(np.float32)
+
+
+def hierarchical_spec(
+    base: AllreduceSpec,
+    layout: Layout,
+    topology: Topology,
+    hierarchy: HierarchyConfig | None,
+    scheme: str,
+    piece_numel: int,
+    cross_algorithm: Algo,
+) -> HierarchicalSpec:
+    """The two-level spec of the allreduce ``base`` describes (``scheme`` from
+    :func:`hierarchical_scheme`; ``cross_algorithm`` SRA or ring for the node count)."""
+    hierarchy = hierarchy if hierarchy is not None else HierarchyConfig()
+    if hierarchy.cross_reduction != "auto":
+        cross_algorithm = Algo.SRA if hierarchy.cross_reduction == "sra" else Algo.RING
+    if cross_algorithm not in (Algo.SRA, Algo.RING):
+        raise ConfigError(f"the cross-node stage runs SRA or ring, not {cross_algorithm.name}")
+    shards = 1 if scheme == "leader" else topology.shards
+    plan = make_plan(layout, shards, piece_numel, MAX_SLOTS)
+    nodes = topology.num_nodes
+    slots = MAX_SLOTS // max(nodes - 1, 1) if cross_algorithm == Algo.RING else MAX_SLOTS
+    acc_dtype = base.acc_dtype
+    cross = tuple(
+        replace(
+            base,
+            plan=make_plan(shard_layout(layout, chunk), nodes, piece_numel, slots),
+            avg=False,  # the owners divide by the world size once, after the cross stage
+            acc_dtype=_accumulator_dtype(acc_dtype, base.raw),
+            inplace=base.raw and _accumulator_dtype(acc_dtype, base.raw) == acc_dtype,
+            algorithm=cross_algorithm,
+        )
+        for chunk in plan.chunks
+    )
+    return HierarchicalSpec(
+        plan=plan,
+        raw=base.raw,
+        avg=base.avg,
+        acc_dtype=acc_dtype,
+        inplace=base.inplace,
+        stochastic=base.stochastic,
+        seed=base.seed,
+        algorithm=Algo.HIERARCHICAL,
+        topology=topology,
+        scheme=scheme,
+        shards=shards,
+        intra_compress=bool(hierarchy.intra_compress) and not base.raw,
+        cross=cross,
+    )
+
+
+async def hierarchical(call: Call, x: Any, spec: HierarchicalSpec) -> None:
+    """Two-level allreduce of the flat array ``x``, in place (see the module docstring)."""
+    await Hierarchical(call, x, spec).run()
+
+
+class Hierarchical(PieceSteps):
+    """One two-level allreduce on this rank."""
+
+    def __init__(self, call: Call, x: Any, spec: HierarchicalSpec) -> None:
+        super().__init__(call, x, spec)
+        assert spec.topology is not None
+        self.hspec = spec
+        self.node = StageCall(call, GroupView(call.transport, spec.topology.local_peers(call.rank)))
+        self.local = self.node.rank  # local index
+        self.node_peers = [i for i in range(self.node.world_size) if i != self.local]
+        self.owners = list(range(min(spec.shards, self.node.world_size)))
+        self.owns = self.local in self.owners
+        self.intra_raw = not spec.intra_compress
+        loop = asyncio.get_running_loop()
+        own = self.plan.chunks[self.local].pieces if self.owns else ()
+        #: Per (node peer, piece of our shard): the bytes it sent, once they arrived.
+        self.arrived = {
+            (p, k): loop.create_future() for p in self.node_peers for k in range(len(own))
+        }
+        self.sigs = {p: loop.create_future() for p in self.node_peers} if self.owns else {}
+        for f in (*self.arrived.values(), *self.sigs.values()):
+            f.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self.problems: list[str] = []
+        self.tasks: list[asyncio.Future] = []
+
+    async def run(self) -> None:
+        try:
+            steps = [self.scatter_send(), *(self.scatter_recv(p) for p in self.sigs)]
+            if self.owns:
+                steps.append(self.reduce_cross_and_send())
+            await gather_or_cancel([*steps, *(self.gather_recv(j) for j in self.others())])
+            await gather_or_cancel(self.tasks)
+        finally:
+            await cancel_pending(self.tasks)
+        synchronize(self.x)
+
+    def others(self) -> list[int]:
+        """Owners (local indices) whose shard this rank receives in step 3."""
+        return [j for j in self.owners if j != self.local]
+
+    def intra_nbytes(self, piece: Any) -> int:
+        if self.intra_raw:
+            return piece.numel * self.dtype.itemsize
+        return piece.wire_nbytes(self.dtype)
+
+    # -- step 1: node-local reduce-scatter -----------------------------------------------
+    async def scatter_send(self) -> None:
+        node, x = self.node, self.x
+        sends = []
+        for k in range(self.plan.max_pieces):
+            for j in self.others():
+                pieces = self.plan.chunks[j].pieces
+                if k >= len(pieces):
+                    continue
+                piece = pieces[k]
+                payload = (
+                    self.view(x, 0, piece) if self.intra_raw else await self.encode(x, 0, piece)
+                )
+                sends.append(asyncio.ensure_future(node.send(j, PH_SIG, k, payload, len(pieces))))
+        await gather_or_cancel(sends)
+
+    async def scatter_recv(self, p: int) -> None:
+        node, pieces = self.node, self.plan.chunks[self.local].pieces
+        try:
+            for k, piece in enumerate(pieces):
+                frame = await node.recv_header(p, PH_SIG, k, first=k == 0)
+                if k == 0:
+                    problem = await node.check_first(p, frame)
+                    if problem:
+                        self.problems.append(problem)
+                        self.sigs[p].set_result(False)
+                        return
+                    if frame.count != len(pieces):
+                        raise ProtocolError(
+                            f"rank {node.view.real(p)} sends {frame.count} pieces, "
+                            f"{len(pieces)} expected"
+                        )
+                    self.sigs[p].set_result(True)
+                buf = self.call.take(self.intra_nbytes(piece), self.x)
+                await node.recv_payload(p, frame, buf)
+                self.arrived[(p, k)].set_result(buf)
+        except BaseException as exc:
+            for (q, _), f in self.arrived.items():
+                if q == p and not f.done():
+                    f.set_exception(exc)
+            if not self.sigs[p].done():
+                self.sigs[p].set_exception(exc)
+            raise
+
+    def accumulator(self, chunk: Chunk) -> Any:
+        spec = self.spec
+        if spec.inplace:
+            return self.x[chunk.start : chunk.stop]
+        if not chunk.numel:
+            return self.xp.empty(0, spec.acc_dtype)
+        acc = self.call.take(chunk.numel * spec.acc_dtype.itemsize, self.x).view(spec.acc_dtype)
+        acc[...] = self.x[chunk.start : chunk.stop]
+        return acc
+
+    async def reduce_cross_and_send(self) -> None:
+        """Our shard: reduce the node's pieces, allreduce across nodes, send to the node."""
+        ok = await asyncio.gather(*self.sigs.values())
+        self.node.raise_mismatches(sorted(self.problems))
+        if not all(ok):
+            return
+        chunk = self.plan.chunks[self.local]
+        acc = self.accumulator(chunk)
+        await self.reduce(chunk, acc)
+        cross = self.hspec.cross[self.local]
+        group = StageCall(
+            self.call, GroupView(self.call.transport, self.hspec.cross_group(self.local))
+        )
+        if cross.algorithm == Algo.RING:
+            await ring(group, acc, cross)
+        else:
+            await sra(group, acc, cross)
+        self.finish(chunk, acc)
+        for k, piece in enumerate(chunk.pieces):
+            payload = byte_view(self.x[piece.start : piece.stop])
+            for p in self.node_peers:
+                self.tasks.append(
+                    asyncio.ensure_future(
+                        self.node.send(p, PH_HIER_GATHER, k, payload, len(chunk.pieces))
+                    )
+                )
+
+    async def reduce(self, chunk: Chunk, acc: Any) -> None:
+        """acc += every node peer's pieces of our shard, peers in local-rank order."""
+        base = chunk.start
+        for k, piece in enumerate(chunk.pieces):
+            a = acc[piece.start - base : piece.stop - base]
+            for p in self.node_peers:
+                buf = await self.arrived[(p, k)]
+                if self.intra_raw:
+                    self.add_raw(a, buf, piece)
+                else:
+                    await self.codec.run(
+                        piece.numel, decode_add_piece, buf, piece, acc, base, self.dtype
+                    )
+
+    def finish(self, chunk: Chunk, acc: Any) -> None:
+        """The shard's final values into the caller's buffer (averaged if asked)."""
+        if self.spec.avg:
+            self.xp.divide(acc, self.n_world, out=acc)
+        if not self.spec.inplace:
+            self.x[chunk.start : chunk.stop] = acc
+        synchronize(self.x)
+
+    # -- step 3: node-local allgather ----------------------------------------------------
+    async def gather_recv(self, j: int) -> None:
+        """Owner ``j``'s final shard, piece by piece, into the caller's buffer."""
+        pieces = self.plan.chunks[j].pieces
+        for k, piece in enumerate(pieces):
+            frame = await self.node.recv_header(j, PH_HIER_GATHER, k)
+            if frame.count != len(pieces):
+                raise ProtocolError(f"rank {self.node.view.real(j)} announced {frame.count} pieces")
+            await self.node.recv_payload(j, frame, self.x[piece.start : piece.stop])

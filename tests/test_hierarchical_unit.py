@@ -1,0 +1,257 @@
+"""The two-level allreduce (cgx_ucx.collectives.hierarchical) in ONE process, over the
+in-memory transport of test_collectives_unit, on fake topologies: 2 x 2, 2 x 3, 3 + 2
+(uneven, folding), 3 + 1 (falls back), 3 x 2 and the leader scheme.
+
+Checked: results against a float64 reference (uncompressed: exact on integer-valued data,
+float32 rounding otherwise; compressed: within the quantization bound), replicas
+bit-identical on every rank of every node, and the messages: across nodes only between
+ranks of one cross-node group (the sharded scheme), or only between leaders.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pytest
+from test_collectives_unit import (
+    CFG,
+    FakeNetwork,
+    assert_replicas_identical,
+    int_data,
+    ok,
+    quantization_bound,
+    small_pieces,  # noqa: F401 (autouse fixture: several pieces per chunk)
+    smooth_data,
+)
+
+from cgx_ucx.collectives import Communicator
+from cgx_ucx.collectives.hierarchical import hierarchical_scheme, shard_layout
+from cgx_ucx.collectives.plan import make_plan
+from cgx_ucx.errors import CollectiveMismatchError
+from cgx_ucx.layout import LayerSpec, Layout
+from cgx_ucx.transport.topology import HierarchyConfig, Topology
+
+pytestmark = pytest.mark.timeout(120)
+
+LAYOUTS = {"2x2": [2, 2], "2x3": [3, 3], "3+2": [3, 2], "3x2": [2, 2, 2], "3+1": [3, 1]}
+
+
+def run_nodes(
+    sizes: list[int],
+    body: Any,
+    hierarchy: HierarchyConfig | None = None,
+    hierarchies: list[HierarchyConfig] | None = None,
+) -> tuple[list, Counter]:
+    """``body(comm)`` on every rank of a fake job laid out as ``sizes``; per rank its result
+    or exception, and the (src, dst) pairs of every frame sent."""
+    topo = Topology.from_node_sizes(sizes)
+    world = topo.world_size
+    pairs: Counter = Counter()
+
+    async def main() -> list:
+        net = FakeNetwork(world)
+        for t in net.nodes:
+            t.topology = topo
+            t.hierarchy = hierarchies[t.rank] if hierarchies else (hierarchy or HierarchyConfig())
+            send = t.send_frame
+
+            async def counted(rank, frame, payload=None, extra=(), _send=send, _src=t.rank):
+                pairs[(_src, rank)] += 1
+                await _send(rank, frame, payload, extra)
+
+            t.send_frame = counted
+        comms = [Communicator(t, CFG) for t in net.nodes]
+        try:
+            return await asyncio.wait_for(
+                asyncio.gather(*(body(c) for c in comms), return_exceptions=True), 60
+            )
+        finally:
+            for c in comms:
+                await c.close()
+
+    return asyncio.run(main()), pairs
+
+
+def cross_pairs(sizes: list[int], pairs: Counter) -> set[tuple[int, int]]:
+    topo = Topology.from_node_sizes(sizes)
+    return {(a, b) for a, b in pairs if not topo.same_node(a, b)}
+
+
+def expected_cross(sizes: list[int], groups: Any) -> set[tuple[int, int]]:
+    return {(a, b) for g in groups for a in g for b in g if a != b}
+
+
+# -- the scheme choice ---------------------------------------------------------------------
+
+
+def test_scheme_choice_follows_the_topology_and_the_config():
+    t22, t31 = Topology.from_node_sizes([2, 2]), Topology.from_node_sizes([3, 1])
+    one = Topology.single_node(4)
+    assert hierarchical_scheme("auto", False, t22, None) == "sharded"
+    assert hierarchical_scheme("auto", True, t22, None) is None  # small buffers
+    assert hierarchical_scheme("auto", False, t31, None) is None  # 3 + 1: flat
+    assert hierarchical_scheme("auto", False, one, None) is None
+    assert hierarchical_scheme("sra", False, t22, None) is None
+    assert hierarchical_scheme("hierarchical", True, t22, None) == "sharded"
+    flat = HierarchyConfig(scheme="flat")
+    assert hierarchical_scheme("auto", False, t22, flat) is None
+    assert hierarchical_scheme("hierarchical", False, t22, flat) == "sharded"
+    leader = HierarchyConfig(scheme="leader")
+    assert hierarchical_scheme("auto", False, t31, leader) == "leader"
+    assert hierarchical_scheme("hierarchical", False, one, leader) is None
+
+
+def test_shard_layouts_keep_the_bucket_grid():
+    layout = Layout(
+        (LayerSpec(0, 1500, 4, 128), LayerSpec(1500, 77), LayerSpec(1577, 1001, 2, 100))
+    )
+    plan = make_plan(layout, 3, 100, 1 << 15)
+    for chunk in plan.chunks:
+        sub = shard_layout(layout, chunk)
+        assert sub.numel == chunk.numel
+        for spec in sub.layers:
+            start = spec.offset + chunk.start
+            whole = next(s for s in layout.layers if s.offset <= start < s.end)
+            if whole.compressed:
+                assert (start - whole.offset) % whole.bucket_size == 0
+
+
+# -- results --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["2x2", "2x3", "3+2", "3x2"])
+@pytest.mark.parametrize("dtype", [np.float32, np.int64, np.float16])
+def test_uncompressed_is_exact_and_bit_identical(layout, dtype):
+    sizes = LAYOUTS[layout]
+    world = sum(sizes)
+    cases = [0, 1, 7, 5000]
+
+    async def body(comm):
+        out = []
+        for n in cases:
+            x = int_data(comm.rank, n, dtype, -30, 30)
+            assert await comm.allreduce(x, algorithm="hierarchical") is x
+            out.append(x)
+        return out
+
+    results, pairs = run_nodes(sizes, body)
+    results = ok(results)
+    for i, n in enumerate(cases):
+        expect = sum(int_data(r, n, dtype, -30, 30).astype(np.float64) for r in range(world))
+        np.testing.assert_array_equal(results[0][i].astype(np.float64), expect)
+        assert_replicas_identical([r[i] for r in results])
+    groups = Topology.from_node_sizes(sizes).cross_groups
+    assert cross_pairs(sizes, pairs) == expected_cross(sizes, groups)
+
+
+@pytest.mark.parametrize("layout", ["2x2", "2x3", "3+2"])
+def test_float32_within_rounding_of_an_n_term_sum(layout):
+    sizes = LAYOUTS[layout]
+    world = sum(sizes)
+
+    async def body(comm):
+        x = smooth_data(comm.rank, 6001)
+        await comm.allreduce(x, "avg", algorithm="hierarchical")
+        return x
+
+    results = ok(run_nodes(sizes, body)[0])
+    xs = [smooth_data(r, 6001).astype(np.float64) for r in range(world)]
+    exact = sum(xs) / world
+    # N - 1 float32 additions and a division, each within half an ulp of its result.
+    tol = world * np.finfo(np.float32).eps * (sum(np.abs(x) for x in xs) / world) + 1e-30
+    assert np.all(np.abs(results[0].astype(np.float64) - exact) <= tol)
+    assert_replicas_identical(results)
+
+
+COMPRESSED = [(0, 4, 64), (1, 4, 64), (3001, 4, 128), (777, 2, 100), (9000, 4, 1024)]
+MIXED = Layout((LayerSpec(0, 1500, 4, 128), LayerSpec(1500, 77), LayerSpec(1577, 1001, 2, 100)))
+
+
+@pytest.mark.parametrize("layout", ["2x2", "2x3", "3+2", "3x2"])
+@pytest.mark.parametrize("op", ["sum", "avg"])
+@pytest.mark.parametrize("intra_compress", [False, True])
+def test_compressed_within_bound_and_bit_identical(layout, op, intra_compress):
+    sizes = LAYOUTS[layout]
+    world = sum(sizes)
+    hierarchy = HierarchyConfig(intra_compress=intra_compress)
+
+    async def body(comm):
+        out = []
+        for n, bits, bucket in COMPRESSED:
+            x = smooth_data(comm.rank, n)
+            await comm.allreduce(x, op, bits=bits, bucket_size=bucket, algorithm="hierarchical")
+            out.append(x)
+        x = smooth_data(comm.rank, MIXED.numel)
+        await comm.allreduce(x, op, layout=MIXED, algorithm="hierarchical")
+        out.append(x)
+        return out
+
+    results = ok(run_nodes(sizes, body, hierarchy)[0])
+    cases = [Layout.uniform(n, bits, bucket) for n, bits, bucket in COMPRESSED] + [MIXED]
+    for i, lay in enumerate(cases):
+        xs = [smooth_data(r, lay.numel) for r in range(world)]
+        exact = sum(x.astype(np.float64) for x in xs)
+        # Two stages across nodes (the inputs of the other nodes, then the sum), one more
+        # with intra-node compression: within the bound of `world` >= 3 quantizations.
+        bound = quantization_bound(xs, lay, world)
+        if op == "avg":
+            exact, bound = exact / world, bound / world
+        err = np.abs(results[0][i].astype(np.float64) - exact)
+        assert np.all(err <= bound), f"{lay}: excess {np.max(err - bound, initial=0)}"
+        assert_replicas_identical([r[i] for r in results])
+
+
+def test_auto_picks_two_levels_for_large_buffers_and_flat_on_3_plus_1():
+    async def body(comm):
+        x = smooth_data(comm.rank, 64 << 10)  # 256 KiB: past the one-round crossover
+        await comm.allreduce(x, bits=4)
+        return x
+
+    results, pairs = run_nodes([2, 2], body)
+    assert_replicas_identical(ok(results))
+    assert cross_pairs([2, 2], pairs) == {(0, 2), (2, 0), (1, 3), (3, 1)}
+    results, pairs = run_nodes([3, 1], body)
+    assert_replicas_identical(ok(results))
+    assert cross_pairs([3, 1], pairs) == {(a, 3) for a in range(3)} | {(3, a) for a in range(3)}
+
+
+@pytest.mark.parametrize("layout", ["2x2", "3+1", "3x2"])
+def test_leader_scheme_crosses_nodes_between_leaders_only(layout):
+    sizes = LAYOUTS[layout]
+    world = sum(sizes)
+
+    async def body(comm):
+        x = smooth_data(comm.rank, 5000)
+        await comm.allreduce(x, bits=4, bucket_size=128, algorithm="hierarchical")
+        return x
+
+    results, pairs = run_nodes(sizes, body, HierarchyConfig(scheme="leader"))
+    results = ok(results)
+    assert_replicas_identical(results)
+    xs = [smooth_data(r, 5000) for r in range(world)]
+    bound = quantization_bound(xs, Layout.uniform(5000, 4, 128), world)
+    assert np.all(np.abs(results[0] - sum(x.astype(np.float64) for x in xs)) <= bound)
+    leaders = Topology.from_node_sizes(sizes).leaders
+    assert cross_pairs(sizes, pairs) == expected_cross(sizes, [leaders])
+
+
+def test_ranks_that_disagree_on_the_scheme_fail_with_a_mismatch():
+    async def body(comm):
+        x = smooth_data(comm.rank, 5000)
+        await comm.allreduce(x, bits=4, algorithm="hierarchical")
+
+    configs = [HierarchyConfig(intra_compress=r == 1) for r in range(4)]
+    results, _ = run_nodes([2, 2], body, hierarchies=configs)
+    assert all(isinstance(r, CollectiveMismatchError) for r in results), results
+
+
+def test_flat_and_hierarchical_ranks_fail_with_a_mismatch():
+    async def body(comm):
+        x = smooth_data(comm.rank, 5000)
+        await comm.allreduce(x, bits=4, algorithm="hierarchical" if comm.rank else "sra")
+
+    results, _ = run_nodes([2, 2], body)
+    assert all(isinstance(r, CollectiveMismatchError) for r in results), results
