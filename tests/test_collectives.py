@@ -47,7 +47,7 @@ async def exact_sums(ctx):
         x = rank_data(ctx.rank, 5000, np.float32)
         await comm.allreduce(x, "avg")
         out[("float32", 5000, "avg")] = x
-        for algo in ("sra", "ring"):
+        for algo in ("sra", "ring", "oneshot"):
             x = rank_data(ctx.rank, 300_007, np.int64)
             await comm.allreduce(x, algorithm=algo)
             out[("int64", 300_007, algo)] = x
@@ -102,7 +102,7 @@ def _bound(xs, bits, bucket, algorithm):
         total[b : b + bucket] = sum(
             float(x[b : b + bucket].max() - x[b : b + bucket].min()) for x in xs
         )
-    steps = world + 1 if algorithm == "sra" else 2 * world
+    steps = world + 1 if algorithm in ("sra", "oneshot") else 2 * world
     return steps * total / levels / 2 + 1e-5 * np.abs(sum(xs))
 
 
@@ -112,13 +112,20 @@ COMPRESSED_CASES = {
         (100_003, 4, 1024, "sra", "float32"),
         (1, 4, 1024, "sra", "float32"),
         (0, 4, 1024, "ring", "float32"),
+        (5_000, 4, 1024, "oneshot", "float32"),
+        (3_001, 4, 128, "auto", "bfloat16"),
     ],
     3: [
         (65_537, 2, 512, "sra", "float32"),
         (65_537, 8, 100, "ring", "float32"),
         (5_000, 4, 64, "ring", "bfloat16"),
+        (65_537, 4, 512, "oneshot", "float16"),
     ],
-    4: [(40_000, 4, 1000, "sra", "float16"), (30_011, 3, 256, "ring", "float32")],
+    4: [
+        (40_000, 4, 1000, "sra", "float16"),
+        (30_011, 3, 256, "ring", "float32"),
+        (10_000, 4, 512, "oneshot", "float32"),
+    ],
 }
 
 

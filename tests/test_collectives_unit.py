@@ -36,7 +36,7 @@ from cgx_ucx.errors import (
     TransportError,
 )
 from cgx_ucx.layout import LayerSpec, Layout
-from cgx_ucx.transport.frames import FRAME_NBYTES, AbortCode, Frame, Kind
+from cgx_ucx.transport.frames import FRAME_NBYTES, AbortCode, Algo, Frame, Kind
 from cgx_ucx.transport.mesh import TransportStats
 
 pytestmark = pytest.mark.timeout(60)
@@ -234,7 +234,7 @@ EXACT_DTYPES = [np.int32, np.float32, np.float64, np.int64]
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-@pytest.mark.parametrize("algorithm", ["sra", "ring"])
+@pytest.mark.parametrize("algorithm", ["sra", "ring", "oneshot"])
 def test_raw_sum_is_exact(world, algorithm):
     cases = [(dtype, n) for dtype in EXACT_DTYPES for n in SIZES]
 
@@ -256,7 +256,7 @@ def test_raw_sum_is_exact(world, algorithm):
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-@pytest.mark.parametrize("algorithm", ["sra", "ring"])
+@pytest.mark.parametrize("algorithm", ["sra", "ring", "oneshot"])
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
 def test_raw_16_bit_floats_sum_in_float32(world, algorithm, dtype):
     # bfloat16 holds integers exactly up to 256: 4 ranks of |x| < 60 stay exact.
@@ -272,7 +272,7 @@ def test_raw_16_bit_floats_sum_in_float32(world, algorithm, dtype):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("algorithm", ["sra", "ring"])
+@pytest.mark.parametrize("algorithm", ["sra", "ring", "oneshot"])
 def test_raw_avg(world, algorithm):
     async def body(comm):
         x = int_data(comm.rank, 2049, np.float32)
@@ -307,7 +307,9 @@ def quantization_bound(
 
     Each quantization of a bucket errs by at most ``step`` units (1/2 rounding to
     nearest, 1 stochastic rounding), unit = range / (2^bits - 1).
-    Both algorithms quantize every value N times: SRA each of the N-1 peers' inputs and
+    Oneshot quantizes each rank's input once (N quantizations of one value, no
+    requantization of the sum): within the same bound.
+    SRA and ring quantize every value N times: SRA each of the N-1 peers' inputs and
     the sum; the ring the partial sums of 1..N-1 ranks and the sum. A partial sum's range
     in a bucket is at most the sum of the inputs' ranges plus twice the error so far,
     so the error after q quantizations is at most e_q = e_{q-1} + step (R + 2 e_{q-1}) / L,
@@ -343,7 +345,7 @@ COMPRESSED = [
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-@pytest.mark.parametrize("algorithm", ["sra", "ring"])
+@pytest.mark.parametrize("algorithm", ["sra", "ring", "oneshot"])
 @pytest.mark.parametrize("op", ["sum", "avg"])
 def test_compressed_within_bound_and_bit_identical(world, algorithm, op):
     async def body(comm):
@@ -376,7 +378,7 @@ MIXED = Layout(
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-@pytest.mark.parametrize("algorithm", ["sra", "ring"])
+@pytest.mark.parametrize("algorithm", ["sra", "ring", "oneshot"])
 def test_mixed_layout(world, algorithm):
     dtypes = [np.float32, np.float16]
 
@@ -406,7 +408,7 @@ def test_mixed_layout(world, algorithm):
         np.testing.assert_allclose(got[raw].astype(np.float64), exact[raw], rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("algorithm", ["sra", "ring"])
+@pytest.mark.parametrize("algorithm", ["sra", "ring", "oneshot"])
 def test_stochastic_rounding_is_seeded_and_identical(algorithm):
     async def body(comm):
         out = []
@@ -480,7 +482,9 @@ def test_broadcast_allgather_barrier(world):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("case", ["numel", "op", "bits", "algorithm", "collective"])
+@pytest.mark.parametrize(
+    "case", ["numel", "op", "bits", "algorithm", "oneshot_vs_sra", "big_numel", "collective"]
+)
 def test_mismatch_fails_every_rank_then_the_next_call_works(world, case):
     async def body(comm):
         r = comm.rank
@@ -494,6 +498,11 @@ def test_mismatch_fails_every_rank_then_the_next_call_works(world, case):
                 await comm.allreduce(x, bits=2 if r == 1 else 4, bucket_size=64)
             elif case == "algorithm":
                 await comm.allreduce(x, algorithm="ring" if r == 1 else "sra")
+            elif case == "oneshot_vs_sra":
+                await comm.allreduce(x, algorithm="oneshot" if r == 1 else "sra")
+            elif case == "big_numel":  # auto: oneshot on the others, SRA on rank 1
+                big = np.zeros(allreduce.oneshot_max_bytes(world) // 4 + 1, np.float32)
+                await comm.allreduce(big if r == 1 else x)
             else:
                 await comm.allreduce(x)
         except CollectiveMismatchError as exc:
@@ -523,3 +532,35 @@ def test_a_bad_argument_on_one_rank_aborts_the_others_fast():
     for r in results[1:]:
         assert isinstance(r, CollectiveMismatchError), repr(r)
         assert "rank 0 aborted" in str(r)
+
+
+def test_auto_takes_oneshot_below_the_crossover_only():
+    small = np.zeros(allreduce.oneshot_max_bytes(2) // 4, np.float32)
+    big = np.zeros(small.size + 1, np.float32)
+    for x, want in ((small, Algo.ONESHOT), (big, Algo.SRA)):
+        _, (_, spec) = allreduce.prepare_allreduce(x, world_size=2)
+        assert spec.algorithm == want
+    _, (_, spec) = allreduce.prepare_allreduce(small, world_size=2, algorithm="sra")
+    assert spec.algorithm == Algo.SRA
+    assert allreduce.oneshot_max_bytes(16) < allreduce.oneshot_max_bytes(2)
+    with pytest.raises(ConfigError, match="oneshot"):
+        allreduce.prepare_allreduce(small, world_size=2, algorithm="tree")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_oneshot_is_one_frame_per_peer(world):
+    """One round: each rank sends its peers one header and one payload each, no more."""
+
+    async def body(comm):
+        x = int_data(comm.rank, 1000, np.float32)
+        await comm.allreduce(x, algorithm="oneshot")
+        y = smooth_data(comm.rank, 1000)
+        await comm.allreduce(y, bits=4, bucket_size=128, algorithm="oneshot")
+        return x, y, comm.stats.messages_sent
+
+    results = ok(run_world(world, body))
+    want = sum(int_data(r, 1000, np.float32) for r in range(world))
+    for x, _, sent in results:
+        np.testing.assert_array_equal(x, want)
+        assert sent == 2 * 2 * (world - 1)
+    assert_replicas_identical([y for _, y, _ in results])

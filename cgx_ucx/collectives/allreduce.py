@@ -4,9 +4,11 @@
 - SRA, scatter-reduce-allgather (:mod:`.sra`): two communication steps; the default up
   to :data:`SRA_MAX_WORLD` ranks.
 - ring (:mod:`.ring`): 2(N-1) hops between neighbours only, for large worlds.
+- oneshot (:mod:`.oneshot`): one round, every rank sends its whole buffer to every peer
+  and all reduce in rank order; for small buffers, where the per-message cost dominates.
 
-Both pipeline by piece (:mod:`.plan`), compress per layer as the layout says, and leave
-every replica bit-identical. A world of one still quantizes compressed layers once, so
+SRA and ring pipeline by piece (:mod:`.plan`); all three compress per layer as the layout
+says and leave every replica bit-identical. A world of one still quantizes compressed layers once, so
 the result is what N ranks would produce.
 """
 
@@ -24,6 +26,7 @@ from ..transport.frames import MIXED_BITS, Algo, Coll, Frame, Op
 from ..transport.mesh import MAX_SLOTS
 from .call import Call, make_template
 from .hierarchical import hierarchical, hierarchical_scheme, hierarchical_spec
+from .oneshot import oneshot
 from .piece_codec import requantize_piece
 from .plan import PIECE_BYTES, make_plan
 from .reduction import AllreduceSpec
@@ -32,8 +35,11 @@ from .sra import sra
 from .staging import as_flat, synchronize
 
 __all__ = [
+    "ONESHOT_MAX_BYTES",
     "SRA_MAX_WORLD",
     "AllreduceSpec",
+    "oneshot",
+    "oneshot_max_bytes",
     "prepare_allreduce",
     "requantize_alone",
     "ring",
@@ -44,6 +50,20 @@ __all__ = [
 #: World sizes up to this use SRA under algorithm="auto": on one host or a few nodes
 #: its two communication steps beat the ring's 2(N-1); CGX used SRA within a node.
 SRA_MAX_WORLD = 8
+
+#: Under algorithm="auto", buffers of at most this many bytes (the caller's, before
+#: compression) take the one-round path, per world size: the crossover with SRA
+#: measured by ``python -m cgx_ucx.bench latency`` (README, "Latency"). One round costs
+#: (N-1) whole buffers per rank against SRA's 2(N-1)/N, so the crossover falls with N.
+ONESHOT_MAX_BYTES: dict[int, int] = {2: 256 << 10, 3: 128 << 10, 4: 64 << 10}
+
+
+def oneshot_max_bytes(world_size: int) -> int:
+    """The auto crossover for ``world_size`` ranks (beyond the table: scaled as 1/N)."""
+    if world_size in ONESHOT_MAX_BYTES:
+        return ONESHOT_MAX_BYTES[world_size]
+    top = max(ONESHOT_MAX_BYTES)
+    return ONESHOT_MAX_BYTES[top] * top // max(world_size, 1)
 
 
 def prepare_allreduce(
@@ -73,16 +93,20 @@ def prepare_allreduce(
     # Two levels (issue 11): "auto" where the topology and its HierarchyConfig say so,
     # "hierarchical" asked for; flat where they do not apply.
     flat_name = "auto" if algorithm == "hierarchical" else algorithm
-    algo = _algorithm(flat_name, world_size)
-    scheme = hierarchical_scheme(algorithm, False, topology, hierarchy)
+    algo = _algorithm(flat_name, world_size, flat.size * dtype.itemsize)
+    scheme = hierarchical_scheme(algorithm, algo == Algo.ONESHOT, topology, hierarchy)
     algo = Algo.HIERARCHICAL if scheme is not None else algo
     seed = check_seed(seed)
     raw = not lay.compressed
     acc_dtype = _accumulator_dtype(dtype, raw)
-    piece_numel = max(PIECE_BYTES // dtype.itemsize, 1)
-    slots = MAX_SLOTS // max(world_size - 1, 1) if algo == Algo.RING else MAX_SLOTS
+    if algo == Algo.ONESHOT:
+        plan = make_plan(lay, 1, max(lay.numel, 1), 1)  # one piece: the whole buffer
+    else:
+        piece_numel = max(PIECE_BYTES // dtype.itemsize, 1)
+        slots = MAX_SLOTS // max(world_size - 1, 1) if algo == Algo.RING else MAX_SLOTS
+        plan = make_plan(lay, world_size, piece_numel, slots)
     spec = AllreduceSpec(
-        plan=make_plan(lay, world_size, piece_numel, slots),
+        plan=plan,
         raw=raw,
         avg=avg,
         acc_dtype=acc_dtype,
@@ -117,6 +141,8 @@ async def run_allreduce(call: Call, state: tuple[Any, AllreduceSpec]) -> None:
         return
     if spec.algorithm == Algo.HIERARCHICAL:
         await hierarchical(call, flat, spec)  # type: ignore[arg-type]
+    elif spec.algorithm == Algo.ONESHOT:
+        await oneshot(call, flat, spec)
     elif spec.algorithm == Algo.RING:
         await ring(call, flat, spec)
     else:
@@ -161,13 +187,21 @@ def _check_dtype(dtype: np.dtype, compressed: bool, avg: bool) -> None:
         raise ConfigError("op='avg' needs floating-point values")
 
 
-def _algorithm(algorithm: str, world_size: int) -> Algo:
-    algo = algorithm
-    if algo == "auto":
-        algo = "sra" if world_size <= SRA_MAX_WORLD else "ring"
-    if algo not in ("sra", "ring"):
-        raise ConfigError(f"algorithm must be 'auto', 'sra' or 'ring', got {algorithm!r}")
-    return Algo.SRA if algo == "sra" else Algo.RING
+_ALGORITHMS = {"sra": Algo.SRA, "ring": Algo.RING, "oneshot": Algo.ONESHOT}
+
+
+def _algorithm(algorithm: str, world_size: int, nbytes: int) -> Algo:
+    """The algorithm to run; "auto" depends only on what the signature carries (numel,
+    dtype) and the world size, so ranks that agree on the call agree on the choice."""
+    if algorithm == "auto":
+        if nbytes <= oneshot_max_bytes(world_size):
+            return Algo.ONESHOT
+        return Algo.SRA if world_size <= SRA_MAX_WORLD else Algo.RING
+    if algorithm not in _ALGORITHMS:
+        raise ConfigError(
+            f"algorithm must be 'auto', 'sra', 'ring' or 'oneshot', got {algorithm!r}"
+        )
+    return _ALGORITHMS[algorithm]
 
 
 def _accumulator_dtype(dtype: np.dtype, raw: bool) -> np.dtype:

@@ -285,8 +285,10 @@ class Communicator:
         uncompressed); without it the buffer is one layer of ``bits`` (default 32: exact
         uncompressed allreduce) and ``bucket_size``. Compression needs float32, float16
         or bfloat16 values; integer and float64 buffers reduce uncompressed only.
-        ``algorithm``: "sra" (scatter-reduce-allgather), "ring", or "auto" (SRA up to
-        8 ranks). Stochastic rounding is seeded by (seed, sequence number, rank, layer).
+        ``algorithm``: "sra" (scatter-reduce-allgather), "ring", "oneshot" (one round:
+        every rank sends its whole buffer to every peer), or "auto" (oneshot for small
+        buffers, else SRA up to 8 ranks, else ring). Stochastic rounding is seeded by
+        (seed, sequence number, rank, layer).
         """
 
         await self._collective(

@@ -118,6 +118,7 @@ class Algo(enum.IntEnum):
     SRA = 1  # scatter-reduce-allgather
     RING = 2
     DIRECT = 3  # broadcast / allgather straight to every peer
+    ONESHOT = 4  # allreduce in one round: every rank sends its whole buffer to every peer
     HIERARCHICAL = 5  # two levels: node-local reduce-scatter, cross-node, node-local allgather
 
 
