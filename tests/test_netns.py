@@ -15,6 +15,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from cgx_ucx.bench import netns
@@ -494,7 +495,7 @@ async def main():
         n = 1 << 20
         base = (np.arange(n) % 1000).astype(np.float32)
         x = base + rank  # integers: every float32 sum order is exact
-        await asyncio.wait_for(comm.allreduce(x, op="sum", bits=32), 30)
+        await asyncio.wait_for(comm.allreduce(x, op="sum", bits=32, algorithm="sra"), 30)
         assert np.array_equal(x, world * base + world * (world - 1) / 2), "bits=32 not exact"
         print("digest", hashlib.sha256(x.tobytes()).hexdigest(), flush=True)
     finally:
@@ -507,23 +508,7 @@ asyncio.run(main())
 @needs_netns
 @pytest.mark.netns
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    "force_tcp",
-    [
-        True,
-        pytest.param(
-            False,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="issue 11: the mesh dials every peer's full worker address, so with "
-                "UCX_TLS unset UCX joins the 'nodes' by shared memory (one kernel) and the "
-                "data never crosses the shaped link; dialing cross-node peers' network-only "
-                "address (cgx_ucx.transport.levels) fixes it",
-            ),
-        ),
-    ],
-    ids=["UCX_TLS=tcp", "UCX_TLS-unset"],
-)
+@pytest.mark.parametrize("force_tcp", [True, False], ids=["UCX_TLS=tcp", "UCX_TLS-unset"])
 def test_flat_allreduce_on_two_nodes_crosses_the_link(force_tcp: bool) -> None:
     """2 nodes x 2 ranks, the existing flat allreduce of 4 MiB (float32, exact).
 
@@ -542,3 +527,121 @@ def test_flat_allreduce_on_two_nodes_crosses_the_link(force_tcp: bool) -> None:
     local = [d.loopback_tx(n) for n in range(2)]
     print(f"UCX_TLS={'tcp' if force_tcp else 'unset'}: link tx per node {sent}, lo tx {local}")
     assert min(sent) >= 0.95 * nbytes, (sent, local)
+
+
+# ------------------------------------------------------------------ issue 11: two levels
+
+_TORCHRUN_RANK = """
+import datetime, hashlib, logging, os, sys
+import numpy as np
+import torch, torch.distributed as dist
+import cgx_ucx
+from cgx_ucx.layout import Layout
+
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+dist.init_process_group("cgx", timeout=datetime.timedelta(seconds=60))
+n, bucket, bits = int(sys.argv[1]), 1024, 4
+xs = [np.random.default_rng(100 + r).uniform(-1, 1, n).astype(np.float32) for r in range(world)]
+t = torch.from_numpy(xs[rank].copy())
+dist.all_reduce(t)
+got = t.numpy().astype(np.float64)
+exact = sum(x.astype(np.float64) for x in xs)
+# Bound of `world` quantizations (>= the two stages across nodes), per bucket.
+bound = np.zeros(n)
+for b in range(0, n, bucket):
+    total = sum(float(x[b:b + bucket].max() - x[b:b + bucket].min()) for x in xs)
+    err = 0.0
+    for _ in range(world):
+        err += 0.5 * (total + 2 * err) / (2**bits - 1)
+    bound[b:b + bucket] = err
+assert np.all(np.abs(got - exact) <= bound * (1 + 1e-5) + 1e-5 * np.abs(exact) + 1e-6), "bound"
+print("digest", hashlib.sha256(t.numpy().tobytes()).hexdigest(), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def _compressed_nbytes(numel: int) -> int:
+    from cgx_ucx.compression import encoded_nbytes
+
+    return encoded_nbytes(numel, 4, 1024, np.dtype(np.float32))
+
+
+@needs_netns
+@pytest.mark.netns
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("nodes", "scheme", "per_node"),
+    [([2, 2], "hierarchical", [1.0, 1.0]), ([3, 1], "flat", [1.5, 1.5])],
+    ids=["2x2", "3+1"],
+)
+def test_torchrun_layout_on_emulated_nodes(nodes: list[int], scheme: str, per_node: list) -> None:
+    """Launched as torchrun would (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+    GROUP_RANK; no UCX variables, only CGX_COMPRESSION_QUANTIZATION_BITS=4): the result is
+    within the bound, bit-identical on every rank of every node, the cross-node bytes
+    cross the shaped link (as many as the scheme's formula: 1 x the compressed size C per
+    node for two levels on 2 x 2, 1.5 C for the flat fallback of 3 + 1, against 2 C for
+    flat on 2 x 2) and the node-local bytes do not (shared memory, not TCP over lo)."""
+    numel = 2 << 20  # 8 MiB of float32
+    c = _compressed_nbytes(numel)
+    env = {"CGX_COMPRESSION_QUANTIZATION_BITS": "4"}
+    with LinkEmulator(sum(nodes), "1gbit", nodes=nodes, prefix=PREFIX) as link:
+        c0 = link.interface_counters()
+        results = link.run_ranks(
+            [sys.executable, "-c", _TORCHRUN_RANK, str(numel)], timeout=200, env=env
+        )
+        d = link.interface_counters().delta(c0)
+    digests = {ln for r in results for ln in r.stdout.splitlines() if ln.startswith("digest")}
+    assert len(digests) == 1 and all("digest" in r.stdout for r in results), digests
+    sent = [d.link_tx(n) for n in range(len(nodes))]
+    local = [d.loopback_tx(n) for n in range(len(nodes))]
+    print(f"{nodes}: link tx per node {sent} (C = {c}), lo tx {local}")
+    for n, factor in enumerate(per_node):
+        # Frames, TCP/IP headers, the store and the control channel come on top.
+        assert 0.95 * factor * c <= sent[n] <= (factor + 0.3) * c, (n, sent, c)
+    # The intra-node share (uncompressed, numel * 4 / ranks per node and more) stays off lo.
+    assert max(local) < 0.05 * numel * 4, local
+    logs = "\n".join(r.stderr for r in results)
+    assert "cross-node peers on tcp/" in logs, logs[-2000:]
+    if min(nodes) > 1:
+        assert "node-local peers on " in logs and "cross-node peers on sysv" not in logs
+
+
+_NODE_DIES_RANK = """
+import asyncio, os, sys, time
+import numpy as np
+from cgx_ucx.collectives import connect
+from cgx_ucx.config import CommConfig
+from cgx_ucx.errors import CGXError
+
+async def main():
+    comm = await connect(config=CommConfig(timeout=float(sys.argv[1]), connect_timeout=60))
+    x = np.ones(1 << 18, np.float32)
+    await comm.allreduce(x, bits=4, algorithm="hierarchical")
+    if os.environ["GROUP_RANK"] == "1":
+        os._exit(0)  # the whole node goes away: no goodbye, endpoints left open
+    start = time.monotonic()
+    try:
+        for _ in range(100):
+            await comm.allreduce(x, bits=4, algorithm="hierarchical")
+        print("no error", flush=True)
+    except CGXError as exc:
+        print("typed", type(exc).__name__, round(time.monotonic() - start, 2), flush=True)
+    await comm.close()
+
+asyncio.run(main())
+"""
+
+
+@needs_netns
+@pytest.mark.netns
+@pytest.mark.timeout(180)
+def test_a_node_that_dies_fails_every_survivor_with_a_typed_error() -> None:
+    timeout = 15.0
+    with LinkEmulator(4, "1gbit", nodes=2, prefix=PREFIX) as link:
+        results = link.run_ranks([sys.executable, "-c", _NODE_DIES_RANK, str(timeout)], timeout=150)
+    for r in results[:2]:
+        words = r.stdout.split()
+        assert words[:1] == ["typed"], (r.rank, r.stdout, r.stderr[-2000:])
+        assert words[1] in ("PeerLostError", "CGXTimeoutError"), r.stdout
+        assert float(words[2]) <= timeout + 5, r.stdout
