@@ -195,6 +195,23 @@ class SyncCommunicator:
     def barrier(self) -> concurrent.futures.Future:
         return self._submit(self._comm.barrier())
 
+    def alltoall(
+        self, x: Any, out: Any, send_counts: Any = None, recv_counts: Any = None
+    ) -> concurrent.futures.Future:
+        return self._submit(self._comm.alltoall(x, out, send_counts, recv_counts))
+
+    def reduce_scatter(
+        self, x: Any, out: Any, op: str = "sum", **kwargs: Any
+    ) -> concurrent.futures.Future:
+        return self._submit(self._comm.reduce_scatter(x, out, op, **kwargs))
+
+    def send(self, x: Any, dst: int, tag: int = 0) -> concurrent.futures.Future:
+        return self._submit(self._comm.send(x, dst, tag))
+
+    def recv(self, x: Any, src: int | None = None, tag: int = 0) -> concurrent.futures.Future:
+        """Its result is the sender's rank (``src=None``: from any rank)."""
+        return self._submit(self._comm.recv(x, src, tag))
+
     def close(self, timeout: float | None = None) -> None:
         """Close the communicator (blocking); the last one also stops the engine thread."""
         if self._closed:

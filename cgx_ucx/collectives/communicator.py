@@ -37,10 +37,13 @@ from ..transport.mesh import Mesh
 from ..transport.rendezvous import env_store
 from .allgather import prepare_allgather, run_allgather
 from .allreduce import prepare_allreduce, run_allreduce
+from .alltoall import prepare_alltoall, run_alltoall
 from .barrier import prepare_barrier, run_barrier
 from .broadcast import prepare_broadcast, run_broadcast
 from .call import Call
+from .p2p import PointToPoint
 from .piece_codec import CodecRunner
+from .reduce_scatter import prepare_reduce_scatter, run_reduce_scatter
 from .staging import BufferPool
 from .transport import Transport
 
@@ -123,6 +126,7 @@ class Communicator:
         self._closed = False
         self._loop = asyncio.get_running_loop()
         transport.on_abort = self._on_abort
+        self._p2p = PointToPoint(transport, config)  # send/recv, outside the numbering
 
     # -- properties ---------------------------------------------------------------------
     @property
@@ -326,6 +330,39 @@ class Communicator:
     async def barrier(self) -> None:
         """Return once every rank has entered the barrier."""
         await self._collective("barrier", prepare_barrier, run_barrier)
+
+    async def alltoall(
+        self, x: Any, out: Any, send_counts: Any = None, recv_counts: Any = None
+    ) -> Any:
+        """Block i of flat ``x`` to rank i, block r of every rank into ``out`` (exact);
+        blocks of ``send_counts`` / ``recv_counts`` values (None: even). See .alltoall."""
+        return await self._collective(
+            "alltoall",
+            lambda: prepare_alltoall(x, out, self.rank, self.world_size, send_counts, recv_counts),
+            run_alltoall,
+        )
+
+    async def reduce_scatter(self, x: Any, out: Any, op: str = "sum", **kwargs: Any) -> Any:
+        """Shard ``rank`` of the sum (or average) of every rank's ``x`` (world x n values)
+        into ``out`` (n values); ``bits``/``bucket_size``/``stochastic``/``seed`` as for
+        :meth:`allreduce` (bits < 32: peers' shards travel quantized). See .reduce_scatter."""
+        return await self._collective(
+            "reduce_scatter",
+            lambda: prepare_reduce_scatter(x, out, op, world_size=self.world_size, **kwargs),
+            run_reduce_scatter,
+        )
+
+    # -- point to point (see .p2p: per-(pair, tag) streams, not numbered collectives) -----
+    async def send(self, x: Any, dst: int, tag: int = 0) -> None:
+        """Send ``x`` to rank ``dst``; messages of one (dst, tag) arrive in order."""
+        await self._p2p.send(x, dst, tag)
+
+    async def recv(self, x: Any, src: int | None = None, tag: int = 0) -> int:
+        """Receive the next message of ``src`` (None: any rank) on ``tag`` into ``x``
+        (same dtype and size as sent); returns the sender's rank."""
+        if src is None:
+            return await self._p2p.recv_any(x, tag)
+        return await self._p2p.recv(x, src, tag)
 
 
 def _share_codec_threads(local_ranks: int) -> None:

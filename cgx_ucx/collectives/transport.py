@@ -73,9 +73,16 @@ class Transport(Protocol):
         ...
 
     async def recv_frame(
-        self, rank: int, seq: int, phase: int, slot: int, extra: Iterable[asyncio.Future] = ()
+        self,
+        rank: int,
+        seq: int,
+        phase: int,
+        slot: int,
+        extra: Iterable[asyncio.Future] = (),
+        deadline: bool = True,
     ) -> Frame:
-        """The validated header ``rank`` sent for (seq, phase, slot)."""
+        """The validated header ``rank`` sent for (seq, phase, slot); ``deadline=False``
+        waits without the per-wait deadline (a receive posted ahead of need)."""
         ...
 
     async def recv_payload(

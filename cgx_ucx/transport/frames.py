@@ -19,7 +19,7 @@ Layout, little-endian, ``struct`` format ``<4sBBBBQIIHHIBBBBIQQQ16s``::
     0   4s  magic         b"CGXF"
     4   B   version       2 (1 had a 60-byte body and a CRC32; no communicator id)
     5   B   kind          Kind (HELLO, HELLO_ACK, PROOF, DATA, SIG, ABORT, BYE, STATUS...)
-    6   B   collective    Coll (allreduce, broadcast, allgather, barrier)
+    6   B   collective    Coll (allreduce, broadcast, allgather, barrier, p2p, ...)
     7   B   reduce_op     Op (none, sum, avg)
     8   Q   job           64-bit id of this communicator instance (from its token)
     16  I   comm          communicator id, agreed through the store (never random)
@@ -105,6 +105,9 @@ class Coll(enum.IntEnum):
     BROADCAST = 2
     ALLGATHER = 3
     BARRIER = 4
+    P2P = 5  # a point-to-point message (its own phase, see cgx_ucx.collectives.p2p)
+    ALLTOALL = 6
+    REDUCE_SCATTER = 7
 
 
 class Op(enum.IntEnum):

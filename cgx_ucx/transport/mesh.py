@@ -359,10 +359,17 @@ class Mesh(MeshSetup):
 
     # -- operations -----------------------------------------------------------------------
     async def _guard(
-        self, rank: int, post: Any, what: str, extra: Iterable[asyncio.Future] = ()
+        self,
+        rank: int,
+        post: Any,
+        what: str,
+        extra: Iterable[asyncio.Future] = (),
+        deadline: bool = True,
     ) -> Any:
         """Post a UCX operation with ``rank`` (``post()``) and await it against the
-        deadline, the loss of any peer and the collective's own abort (``extra``)."""
+        deadline, the loss of any peer and the collective's own abort (``extra``).
+        ``deadline=False``: no deadline (a receive posted ahead of need, which its
+        caller bounds itself: cgx_ucx.collectives.p2p's any-source receive)."""
         self.check()
         _raise_done(extra)
         errors = _ucx.errors()
@@ -374,7 +381,9 @@ class Mesh(MeshSetup):
             waiters = {task, self.failed_future, *extra}
             try:
                 await asyncio.wait(
-                    waiters, timeout=self.config.timeout, return_when=asyncio.FIRST_COMPLETED
+                    waiters,
+                    timeout=self.config.timeout if deadline else None,
+                    return_when=asyncio.FIRST_COMPLETED,
                 )
             except asyncio.CancelledError:
                 task.cancel()
@@ -417,12 +426,18 @@ class Mesh(MeshSetup):
         self.stats.messages_sent += 1
 
     async def recv(
-        self, rank: int, tag: int, buf: Any, what: str, extra: Iterable[asyncio.Future] = ()
+        self,
+        rank: int,
+        tag: int,
+        buf: Any,
+        what: str,
+        extra: Iterable[asyncio.Future] = (),
+        deadline: bool = True,
     ) -> None:
         """Receive into ``buf`` from ``rank`` on ``tag`` under the pair's prefix."""
         p = self.peers[rank]
         full = p.keys.rx ^ tag  # type: ignore[union-attr]
-        await self._guard(rank, lambda: post_recv(p.data, buf, full), what, extra)
+        await self._guard(rank, lambda: post_recv(p.data, buf, full), what, extra, deadline)
         self.stats.bytes_received += _nbytes(buf)
         self.stats.messages_received += 1
 
@@ -450,12 +465,20 @@ class Mesh(MeshSetup):
         )
 
     async def recv_frame(
-        self, rank: int, seq: int, phase: int, slot: int, extra: Iterable[asyncio.Future] = ()
+        self,
+        rank: int,
+        seq: int,
+        phase: int,
+        slot: int,
+        extra: Iterable[asyncio.Future] = (),
+        deadline: bool = True,
     ) -> Frame:
-        """Receive and validate the header ``rank`` sent for (seq, phase, slot)."""
+        """Receive and validate the header ``rank`` sent for (seq, phase, slot)
+        (``deadline=False``: wait without the per-wait deadline, see :meth:`_guard`)."""
         buf = np.empty(FRAME_NBYTES, np.uint8)
         what = f"phase {phase} piece {slot} of collective #{seq}"
-        await self.recv(rank, structured_tag(seq, phase, slot, False), buf, what, extra)
+        tag = structured_tag(seq, phase, slot, False)
+        await self.recv(rank, tag, buf, what, extra, deadline)
         key = self.peers[rank].keys.key  # type: ignore[union-attr]
         try:
             frame = Frame.unpack(buf, job=self.job, key=key)
