@@ -17,6 +17,12 @@ tens of minutes)::
     python tests/torch_suite/run_suite.py full --out-dir suite_results
     python tests/torch_suite/run_suite.py full --bits 4 --out-dir suite_results_4bit
 
+The tests torch gates on the name "gloo" (coalesced all_reduce, get_future,
+batch_isend_irecv_gloo, ...), admitted and run on cgx (see ``suite.py``)::
+
+    python tests/torch_suite/run_suite.py run --backend cgx --subset full --gloo-gated \
+        -k coalesced -k get_future -k batch_isend_irecv --json cgx2gated.json
+
 One backend, one world size, chosen tests::
 
     python tests/torch_suite/run_suite.py run --backend cgx --world-size 3 --subset full \\
