@@ -14,9 +14,12 @@ slowest rank's median being the figure of the call:
   the thread hop from the caller to the engine loop and back;
 - ``core``: ``await comm.allreduce`` on the engine loop itself: the asyncio core.
 
-``bridge us`` = torch - core: the cost of the synchronous call, the engine thread and the
-torch future. Barriers are timed the same way. ``--cold`` also times the first
-compressed call of a process against a warm one, with an empty Numba cache.
+``hop us`` = torch (or sync) - core: the cost of the synchronous call, the engine thread
+and the torch future. ``wake/call`` counts the progress driver's runs per call (loop
+wake-ups spent on UCX: events, polls and spins) and ``msgs/call`` the UCX messages one
+rank sends per call: the per-call costs that load on a shared machine cannot blur.
+Barriers are timed the same way. ``--cold`` also times the first compressed call of a
+process against a warm one, with an empty Numba cache.
 """
 
 from __future__ import annotations
@@ -97,6 +100,14 @@ def _measure(rank: int, world: int, port: int, opts: dict[str, Any]) -> dict[str
     sync = pg.communicator
     comm, engine = sync.comm, sync.engine
     iters, warmup = opts["iters"], 5
+    from cgx_ucx.transport.progress import driver
+
+    drv = driver(engine.loop)
+
+    def counters() -> tuple[int, int]:
+        return (drv.wakeups if drv is not None else 0, comm.stats.messages_sent)
+
+    calls_per_row = iters + warmup
     # cgx calls average (same cost as a sum) so that hundreds of in-place calls stay
     # finite; gloo has no AVG and sums (overflow does not change its time).
     AVG = dist.ReduceOp.AVG
@@ -112,16 +123,33 @@ def _measure(rank: int, world: int, port: int, opts: dict[str, Any]) -> dict[str
         first["warm_s"] = float(np.median(warm))
 
     rows: list[dict[str, Any]] = []
+    mark = [counters()]
 
     def row(kib: float, path: str, method: str, samples: list[float]) -> None:
         med, p99 = _percentiles(samples)
-        rows.append({"kib": kib, "path": path, "method": method, "median_us": med, "p99_us": p99})
+        now = counters()
+        wake, msgs = ((a - b) / calls_per_row for a, b in zip(now, mark[0], strict=True))
+        rows.append(
+            {
+                "kib": kib,
+                "path": path,
+                "method": method,
+                "median_us": med,
+                "p99_us": p99,
+                "wakeups_per_call": 0.0 if method.startswith("gloo") else wake,
+                "messages_per_call": 0.0 if method.startswith("gloo") else msgs,
+            }
+        )
+
+    def start() -> None:  # counters from here to the next row()
+        mark[0] = counters()
 
     for kib in opts["sizes_kib"]:
         n = max(int(kib * KiB) // 4, 1)
         x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
         arr = x.numpy()
         dist.barrier(group=gloo)
+        start()
         row(
             kib,
             "torch",
@@ -132,6 +160,7 @@ def _measure(rank: int, world: int, port: int, opts: dict[str, Any]) -> dict[str
             name = f"cgx{bits}"
             pg.compression = CompressionConfig(bits=bits, minimal_size=16)
             dist.barrier(group=gloo)
+            start()
             row(
                 kib,
                 "torch",
@@ -139,12 +168,14 @@ def _measure(rank: int, world: int, port: int, opts: dict[str, Any]) -> dict[str
                 _time_calls(lambda x=x: dist.all_reduce(x, op=AVG), iters, warmup),
             )
             dist.barrier(group=gloo)
+            start()
 
             def sync_call(b: int = bits, arr: np.ndarray = arr) -> None:
                 sync.allreduce(arr, "avg", bits=b).result()
 
             row(kib, "sync", name, _time_calls(sync_call, iters, warmup))
             dist.barrier(group=gloo)
+            start()
 
             async def core_op(b: int = bits, arr: np.ndarray = arr) -> None:
                 await comm.allreduce(arr, "avg", bits=b)
@@ -152,9 +183,13 @@ def _measure(rank: int, world: int, port: int, opts: dict[str, Any]) -> dict[str
             samples = engine.run(_time_core(core_op, iters, warmup))
             row(kib, "core", name, samples)
     dist.barrier(group=gloo)
+    start()
     row(0, "torch", "gloo barrier", _time_calls(lambda: dist.barrier(group=gloo), iters, warmup))
+    start()
     row(0, "torch", "cgx barrier", _time_calls(dist.barrier, iters, warmup))
+    start()
     row(0, "sync", "cgx barrier", _time_calls(lambda: sync.barrier().result(), iters, warmup))
+    start()
     row(0, "core", "cgx barrier", engine.run(_time_core(comm.barrier, iters, warmup)))
     stats = comm.stats.as_dict()
     dist.barrier(group=gloo)
@@ -228,6 +263,8 @@ def summarize(world: int, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]
                 "method": base["method"],
                 "median_us": max(r["median_us"] for r in rows),
                 "p99_us": max(r["p99_us"] for r in rows),
+                "wakeups_per_call": max(r.get("wakeups_per_call", 0.0) for r in rows),
+                "messages_per_call": max(r.get("messages_per_call", 0.0) for r in rows),
             }
         )
     return out
@@ -256,9 +293,22 @@ def table(rows: list[dict[str, Any]]) -> str:
                 round(r["p99_us"], 1),
                 round(ratio, 2),
                 round(bridge, 1),
+                round(r.get("wakeups_per_call", 0.0), 1),
+                round(r.get("messages_per_call", 0.0), 1),
             ]
         )
-    headers = ["world", "size", "path", "method", "median us", "p99 us", "x gloo", "hop us"]
+    headers = [
+        "world",
+        "size",
+        "path",
+        "method",
+        "median us",
+        "p99 us",
+        "x gloo",
+        "hop us",
+        "wake/call",
+        "msgs/call",
+    ]
     return format_table(headers, body)
 
 

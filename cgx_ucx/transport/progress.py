@@ -74,7 +74,11 @@ class Progress:
         self.worker = worker
         self.event_loop = loop  # ucxx's ProgressTask attribute name (its close hook uses it)
         self._fd = worker.epoll_file_descriptor
-        self._pending: dict[int, tuple[Any, Any, asyncio.Future]] = {}
+        self._pending: dict[int, tuple[Any, Any, asyncio.Future, bool]] = {}
+        #: Pending requests someone is waiting on now (data frames), as opposed to the
+        #: background ones (a control channel's standing receive): only these make the
+        #: driver spin or poll; background requests complete on events alone.
+        self._due = 0
         self._scheduled = False
         self._timer: asyncio.TimerHandle | None = None
         self._closed = False
@@ -82,6 +86,10 @@ class Progress:
         self._poll = MIN_POLL_S
         self._timer_at = 0.0
         self._active_until = 0.0
+        #: Times the driver ran (loop wake-ups spent on UCX: events, polls, spins) and
+        #: requests it completed; the latency benchmark reports them per call.
+        self.wakeups = 0
+        self.completions = 0
         loop.add_reader(self._fd, self._run)
         self.kick()
 
@@ -105,10 +113,11 @@ class Progress:
             self.event_loop.remove_reader(self._fd)
         if self._timer is not None:
             self._timer.cancel()
-        for _, _, fut in self._pending.values():
+        for _, _, fut, _ in self._pending.values():
             if not fut.done():
                 fut.cancel()
         self._pending.clear()
+        self._due = 0
 
     def boost(self, on: bool) -> None:
         """Progress every BOOST_PERIOD_S while on (nested calls count)."""
@@ -121,14 +130,17 @@ class Progress:
             self._scheduled = True
             self.event_loop.call_soon(self._run)
 
-    def submit(self, request: Any, keep: Any) -> asyncio.Future:
-        """An asyncio future for a UCXX request (``keep``: what must stay alive until done)."""
+    def submit(self, request: Any, keep: Any, background: bool = False) -> asyncio.Future:
+        """An asyncio future for a UCXX request (``keep``: what must stay alive until done;
+        ``background``: nobody waits on it now, so it never makes the driver spin)."""
         fut = self.event_loop.create_future()
-        self._active_until = self.event_loop.time() + SPIN_S
         if request.completed:
             _settle(request, fut)
             return fut
-        self._pending[id(request)] = (request, keep, fut)
+        self._pending[id(request)] = (request, keep, fut, background)
+        if not background:
+            self._due += 1
+            self._active_until = self.event_loop.time() + SPIN_S
         self.kick()
         return fut
 
@@ -136,21 +148,25 @@ class Progress:
         self._scheduled = False
         if self._closed:
             return
+        self.wakeups += 1
         self.worker.progress()
         completed = False
         if self._pending:
-            for key, (req, _, fut) in list(self._pending.items()):
+            for key, (req, _, fut, background) in list(self._pending.items()):
                 if req.completed:
                     del self._pending[key]
                     _settle(req, fut)
-                    completed = True
+                    self.completions += 1
+                    if not background:
+                        self._due -= 1
+                        completed = True
         # Sleep in epoll only once the worker is armed; "busy" means events are pending.
         if not self.worker.arm():
             self.kick()
         now = self.event_loop.time()
         if completed:
             self._active_until = now + SPIN_S
-        if self._pending and now < self._active_until:
+        if self._due and now < self._active_until:
             self._poll = MIN_POLL_S
             if not completed:
                 # Spinning ranks may outnumber cores (4 ranks on 2 here): give the CPU
@@ -158,7 +174,7 @@ class Progress:
                 os.sched_yield()
             self.kick()
             return
-        if self._pending:
+        if self._due:
             self._poll = MIN_POLL_S if completed else min(self._poll * 2, SAFETY_PERIOD_S)
             period = self._poll
         else:
@@ -261,7 +277,9 @@ def post_send(ep: Any, buf: Any, tag: int | None) -> Any:
         raise _closed_error()
     arr = Array(buf)
     bep, t = _binding(ep, tag, "msg_send")
-    return drv.submit(bep.tag_send(arr, _tag(t)), (arr, buf))
+    # Untagged sends and receives are the control channel's (ABORT, BYE, STATUS and its
+    # standing receive): background, see Progress.submit.
+    return drv.submit(bep.tag_send(arr, _tag(t)), (arr, buf), tag is None)
 
 
 def post_recv(ep: Any, buf: Any, tag: int | None) -> Any:
@@ -277,7 +295,7 @@ def post_recv(ep: Any, buf: Any, tag: int | None) -> Any:
         raise _closed_error()
     arr = Array(buf)
     bep, t = _binding(ep, tag, "msg_recv")
-    return drv.submit(bep.tag_recv(arr, _tag(t), TagMaskFull), (arr, buf))
+    return drv.submit(bep.tag_recv(arr, _tag(t), TagMaskFull), (arr, buf), tag is None)
 
 
 def _closed_error() -> Exception:
