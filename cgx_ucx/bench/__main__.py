@@ -15,6 +15,7 @@ BENCHMARKS = {
     "codec": "quantization codec throughput against memcpy (Numba, NumPy reference)",
     "allreduce": "cgx_ucx allreduce against torch.distributed gloo, same processes",
     "link": "emulated commodity links (network namespaces + tc): allreduce and training",
+    "nodes": "emulated nodes x ranks per node: gloo vs flat vs hierarchical cgx, link bytes",
     "latency": "small-call latency hop by hop (torch backend, engine thread, asyncio core)",
     "contention": "DDP step time beside a CPU hog: cgx 4-bit against gloo",
     "train": "training step time and accuracy: compression policies against uncompressed",

@@ -102,7 +102,7 @@ class Progress:
             self.stream.flush()
 
 
-def _parse_size(text: str) -> int:
+def parse_size(text: str) -> int:
     """Bytes of ``"64"`` (MiB), ``"64MiB"``, ``"512KiB"``; a multiple of 4 (float32)."""
     t = text.strip().lower()
     scale = MIB
@@ -121,18 +121,18 @@ def _parse_size(text: str) -> int:
     return size
 
 
-def _rate(text: str) -> int:
+def rate_arg(text: str) -> int:
     try:
         return parse_rate(text)
     except CGXError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
-def _size_label(size: int) -> str:
+def size_label(size: int) -> str:
     return f"{size // MIB} MiB" if size % MIB == 0 else f"{size / 1024:g} KiB"
 
 
-def _median(xs: Sequence[float]) -> float:
+def median(xs: Sequence[float]) -> float:
     s = sorted(xs)
     n = len(s)
     return (s[n // 2] + s[(n - 1) // 2]) / 2 if n else math.nan
@@ -147,8 +147,8 @@ def _merge_ranks(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         times = [max(p["times"][k] for p in per_rank) for k in range(iters)]
         tx = [max(p["tx_bytes"][k] for p in per_rank) for k in range(iters)]
         row = {"size": first["size"], "method": first["method"], "times": times}
-        row["time_s"] = _median(times)
-        row["tx_bytes"] = _median(tx) if tx and min(tx) >= 0 else None
+        row["time_s"] = median(times)
+        row["tx_bytes"] = median(tx) if tx and min(tx) >= 0 else None
         for key in ("max_abs_err", "rel_l2_err"):
             if key in first:
                 row[key] = max(p[key] for p in per_rank)
@@ -209,7 +209,7 @@ def _verify(
             f"{format_rate(link.rate_bps)}: traffic is not crossing the link"
         )
     for row in rows:
-        name = f"{row['method']} {_size_label(row['size'])}"
+        name = f"{row['method']} {size_label(row['size'])}"
         if "finite" in row and not row["finite"]:
             bad.append(f"{name}: non-finite values in the result")
         if row["method"] == "cgx32" and row.get("rel_l2_err", 0.0) > EXACT_REL_ERR:
@@ -233,7 +233,7 @@ def _verify(
     return bad
 
 
-def _thread_env(world: int) -> dict[str, str]:
+def thread_env(world: int) -> dict[str, str]:
     """Each rank gets its share of the cores, as torchrun's OMP_NUM_THREADS does.
 
     The ranks of one machine share its cores; Numba's parallel kernels otherwise start one
@@ -244,11 +244,11 @@ def _thread_env(world: int) -> dict[str, str]:
     return {"NUMBA_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world))}
 
 
-def _worker(job: str, *args: str) -> list[str]:
+def worker_argv(job: str, *args: str) -> list[str]:
     return [sys.executable, "-m", "cgx_ucx.bench.link_worker", job, *args]
 
 
-def _read_ranks(prefix: str, world: int) -> list[dict[str, Any]]:
+def read_ranks(prefix: str, world: int) -> list[dict[str, Any]]:
     return [json.loads(Path(f"{prefix}.rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -263,7 +263,7 @@ def _forward_progress(bar: Progress, verbose: bool) -> Any:
             if phase == "allreduce":
                 med = info.get("median")
                 ms = f"{med * 1e3:.1f} ms" if med else "-"
-                bar.note(f"{_size_label(info['size'])} {info['method']}: {ms}", advance=1)
+                bar.note(f"{size_label(info['size'])} {info['method']}: {ms}", advance=1)
             elif phase == "train":
                 bar.note(f"train {info['backend']} step {info['step']}/{info['of']}", advance=1)
             else:
@@ -303,12 +303,12 @@ def _run_job(
     cores, under the job's deadline) and return the records each rank wrote at ``prefix``
     (``job_args`` must pass it as ``--out``)."""
     link.run_ranks(
-        _worker(job, *job_args),
+        worker_argv(job, *job_args),
         timeout=_estimate_timeout(args, rate_bps, world, job),
-        env=_thread_env(world),
+        env=thread_env(world),
         progress=_forward_progress(bar, args.verbose),
     )
-    return _read_ranks(prefix, world)
+    return read_ranks(prefix, world)
 
 
 def _run_config(
@@ -380,7 +380,7 @@ def _train(
                 "params": ranks[0]["params"],
                 "steps": steps,
                 "step_s_mean": sum(times) / len(times),
-                "step_s_median": _median(times),
+                "step_s_median": median(times),
                 "tx_bytes_per_step": max(tx) if None not in tx else None,
                 "eval_loss": ranks[0]["eval_loss"],
                 # Rank 0's mean phase times: backward includes waiting for the last bucket.
@@ -408,7 +408,7 @@ def _tables(configs: list[dict[str, Any]]) -> str:
                 [
                     c["world_size"],
                     c["link"]["rate"],
-                    _size_label(r["size"]),
+                    size_label(r["size"]),
                     r["method"],
                     r["time_s"] * 1e3,
                     r["algbw_GBps"],
@@ -533,7 +533,7 @@ def _plot(configs: list[dict[str, Any]], size: int, path: Path) -> Path | None:
         ax.set_xticks(rates, [f"{r:g}" for r in rates])
         ax.set_xlabel("link rate per direction (Gbit/s)")
         ax.set_ylabel("speedup over gloo")
-        ax.set_title(f"allreduce {_size_label(size)}, {world} ranks (dotted: lower bound)")
+        ax.set_title(f"allreduce {size_label(size)}, {world} ranks (dotted: lower bound)")
         ax.legend()
         ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
@@ -547,10 +547,10 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m cgx_ucx.bench link",
         description="cgx_ucx vs gloo on emulated links (network namespaces + tc tbf; root)",
     )
-    p.add_argument("--rates", nargs="+", type=_rate, default=[10**9, 10 * 10**9],
+    p.add_argument("--rates", nargs="+", type=rate_arg, default=[10**9, 10 * 10**9],
                    help="link rates per direction, e.g. 1gbit 10gbit (default)")  # fmt: skip
     p.add_argument("--world", nargs="+", type=int, default=[2, 4], help="ranks (default 2 4)")
-    p.add_argument("--sizes", nargs="+", type=_parse_size,
+    p.add_argument("--sizes", nargs="+", type=parse_size,
                    default=[s * MIB for s in (1, 4, 16, 64, 256)],
                    help="allreduce sizes, MiB or with a unit (default 1 4 16 64 256)")  # fmt: skip
     p.add_argument("--bits", nargs="+", type=int, default=[2, 4, 8, 32])
@@ -566,7 +566,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=3072, help="MLP width (3072: ~22 M params)")
     p.add_argument("--probe-seconds", type=float, default=1.0)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any single wait may take")
-    p.add_argument("--plot-size", type=_parse_size, default=64 * MIB)
+    p.add_argument("--plot-size", type=parse_size, default=64 * MIB)
     add_output_args(p)
     p.add_argument("--verbose", action="store_true", help="show the ranks' stderr")
     return p

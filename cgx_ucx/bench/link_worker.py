@@ -15,6 +15,14 @@ numbers: gloo's result is the reference; cgx_ucx's error against it is recorded.
 backend with ``cgx_hook``; step times, wire bytes per step, the loss curve and the loss of
 the trained model on a fixed held-out batch.
 
+For the nodes layout (:mod:`cgx_ucx.bench.nodes`): ``allreduce --algorithms sra
+hierarchical`` runs cgx_ucx once per algorithm at every bit width (methods
+``cgx<bits>-<algorithm>``), and ``--iface-counters`` records, around each method's timed
+loop (after barriers on both sides), the byte counters of every interface of the rank's
+namespace: in the nodes layout that namespace is the rank's node, so the shaped device's
+counter is the node's cross-node traffic and ``lo`` its node-local TCP. ``train
+--algorithm flat|hierarchical`` routes DDP's buckets through that scheme.
+
 Every rank writes ``<out>.rank<r>.json``; the driver merges them (max over ranks per
 iteration). Rank 0 prints ``@progress <json>`` lines on stderr for the driver's progress bar.
 Only ``codec`` (in-process, on rank 0 while the others wait) needs no network.
@@ -53,6 +61,27 @@ def _tx_bytes() -> int:
         return int(path.read_text())
     except (OSError, ValueError):
         return -1  # outside the emulator: the driver then has no wire-byte check to offer
+
+
+def _iface_bytes() -> dict[str, list[int]]:
+    """``{ifname: [tx_bytes, rx_bytes]}`` of every interface this process's namespace sees."""
+    out: dict[str, list[int]] = {}
+    root = Path("/sys/class/net")
+    for dev in sorted(root.iterdir()) if root.is_dir() else []:
+        try:
+            tx = int((dev / "statistics" / "tx_bytes").read_text())
+            rx = int((dev / "statistics" / "rx_bytes").read_text())
+        except (OSError, ValueError):
+            continue
+        out[dev.name] = [tx, rx]
+    return out
+
+
+def _iface_delta(after: dict[str, list[int]], before: dict[str, list[int]]) -> dict[str, list]:
+    return {
+        dev: [tx - before.get(dev, [0, 0])[0], rx - before.get(dev, [0, 0])[1]]
+        for dev, (tx, rx) in after.items()
+    }
 
 
 def _progress(rank: int, **fields: Any) -> None:
@@ -166,11 +195,19 @@ async def _allreduce_job(args: argparse.Namespace) -> dict[str, Any]:
         return bool(flag.item())
 
     record: dict[str, Any] = {"rank": rank, "world_size": world, "results": []}
-    if rank == 0 and cgx_bits:
+    record["local_rank"] = int(os.environ.get("LOCAL_RANK", "0"))
+    record["group_rank"] = int(os.environ.get("GROUP_RANK", str(rank)))
+    if comm is not None:
+        record.update(_topology_record(comm))
+    if rank == 0 and cgx_bits and args.codec_numel > 0:
         _progress(rank, phase="codec")
         record["codec_rates"] = _codec_rates(cgx_bits, args.bucket_size, args.codec_numel)
     await barrier()
-    methods = (["gloo"] if not args.no_gloo else []) + [f"cgx{b}" for b in cgx_bits]
+    methods = ["gloo"] if not args.no_gloo else []
+    if args.algorithms:
+        methods += [f"cgx{b}-{alg}" for b in cgx_bits for alg in args.algorithms]
+    else:
+        methods += [f"cgx{b}" for b in cgx_bits]
     rng = np.random.default_rng(1000 + rank)
     try:
         for size in args.sizes:
@@ -182,7 +219,8 @@ async def _allreduce_job(args: argparse.Namespace) -> dict[str, Any]:
             for method in methods:
                 times: list[float] = []
                 wire: list[int] = []
-                err: dict[str, float] = {}
+                err: dict[str, Any] = {}
+                iface0: dict[str, list[int]] | None = None
                 start = time.monotonic()
                 it = 0
                 while await agree(
@@ -190,6 +228,10 @@ async def _allreduce_job(args: argparse.Namespace) -> dict[str, Any]:
                     or (it <= args.max_iters and time.monotonic() - start < args.budget)
                 ):
                     buf[:] = x0
+                    if it == 1 and args.iface_counters:
+                        # Every rank is done with the warm-up: nothing of it is in flight.
+                        await barrier()
+                        iface0 = _iface_bytes()
                     await barrier()
                     tx0 = _tx_bytes()
                     t0 = time.perf_counter()
@@ -198,9 +240,14 @@ async def _allreduce_job(args: argparse.Namespace) -> dict[str, Any]:
                             asyncio.to_thread(dist.all_reduce, tbuf), args.timeout
                         )
                     else:
+                        bits, _, alg = method[3:].partition("-")
                         await asyncio.wait_for(
                             comm.allreduce(
-                                buf, op="sum", bits=int(method[3:]), bucket_size=args.bucket_size
+                                buf,
+                                op="sum",
+                                bits=int(bits),
+                                bucket_size=args.bucket_size,
+                                algorithm=alg or "auto",
                             ),
                             args.timeout,
                         )
@@ -215,6 +262,9 @@ async def _allreduce_job(args: argparse.Namespace) -> dict[str, Any]:
                         times.append(dt)
                         wire.append(tx)
                     it += 1
+                if iface0 is not None:
+                    # agree() ended the loop: every rank has finished its last call.
+                    err["iface_bytes"] = _iface_delta(_iface_bytes(), iface0)
                 record["results"].append(
                     {"size": size, "method": method, "times": times, "tx_bytes": wire, **err}
                 )
@@ -225,6 +275,23 @@ async def _allreduce_job(args: argparse.Namespace) -> dict[str, Any]:
             await asyncio.wait_for(_maybe_await(comm.close()), args.timeout)
         dist.destroy_process_group()
     return record
+
+
+def _topology_record(comm: Any) -> dict[str, Any]:
+    """What the communicator learned: its topology, the scheme "auto" runs on it, and the
+    transport of each level (so a report can show that two levels really ran)."""
+    transport = comm.transport
+    topology = getattr(transport, "topology", None)
+    hierarchy = getattr(transport, "hierarchy", None)
+    stats = getattr(transport, "stats", None)
+    out: dict[str, Any] = {}
+    if topology is not None:
+        out["topology"] = topology.describe()
+        if hierarchy is not None:
+            out["plan"] = hierarchy.plan(topology)
+    if stats is not None:
+        out["levels"] = dict(getattr(stats, "levels", {}) or {})
+    return out
 
 
 async def _maybe_await(x: Any) -> Any:
@@ -246,6 +313,31 @@ def _error(got: np.ndarray, ref: np.ndarray) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------- training
+
+
+class _SchemeCommunicator:
+    """The synchronous communicator with DDP's buckets pinned to one scheme.
+
+    ``algorithm`` is what each bucket's allreduce asks for ("sra": flat, "hierarchical":
+    two levels). Buckets small enough for the one-round path keep "auto"'s choice (flat
+    either way), as they do without the pin, so flat and hierarchical differ only where
+    the schemes do. Everything else is the wrapped communicator's.
+    """
+
+    def __init__(self, comm: Any, algorithm: str, world: int) -> None:
+        from ..collectives.allreduce import oneshot_max_bytes
+
+        self.comm = comm
+        self.algorithm = algorithm
+        self.one_round_bytes = oneshot_max_bytes(world)
+
+    def allreduce(self, x: Any, op: str = "sum", **kwargs: Any) -> Any:
+        if "algorithm" not in kwargs and getattr(x, "nbytes", 0) > self.one_round_bytes:
+            kwargs["algorithm"] = self.algorithm
+        return self.comm.allreduce(x, op, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.comm, name)
 
 
 def _train_job(args: argparse.Namespace) -> dict[str, Any]:
@@ -290,10 +382,15 @@ def _train_job(args: argparse.Namespace) -> dict[str, Any]:
 
     ddp = DDP(model)
     if args.backend == "cgx":
+        communicator = None
+        if args.algorithm != "auto":
+            pinned = {"flat": "sra", "hierarchical": "hierarchical"}[args.algorithm]
+            communicator = _SchemeCommunicator(cgx_torch.get_communicator(), pinned, world)
         state = cgx_torch.CGXState(
             None,
             layer_min_size=1024,
             compression_params={"bits": args.bits, "bucket_size": args.bucket_size},
+            communicator=communicator,
         )
         ddp.register_comm_hook(state, cgx_torch.cgx_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
@@ -304,9 +401,11 @@ def _train_job(args: argparse.Namespace) -> dict[str, Any]:
     phases: list[tuple[float, float, float]] = []  # forward, backward (+ waiting), optimizer
     losses: list[float] = []
     tx_start = 0
+    iface_start: dict[str, list[int]] = {}
     for step, (x, y) in enumerate(data):
         if step == args.warmup:
             tx_start = _tx_bytes()
+            iface_start = _iface_bytes()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(ddp(x), y)
@@ -319,8 +418,16 @@ def _train_job(args: argparse.Namespace) -> dict[str, Any]:
         if step >= args.warmup:
             times.append(t3 - t0)
             phases.append((t1 - t0, t2 - t1, t3 - t2))
-        _progress(rank, phase="train", backend=args.backend, step=step + 1, of=len(data))
+        _progress(
+            rank,
+            phase="train",
+            backend=args.backend,
+            algorithm=args.algorithm,
+            step=step + 1,
+            of=len(data),
+        )
     tx = _tx_bytes() - tx_start if tx_start >= 0 else -1
+    iface = _iface_delta(_iface_bytes(), iface_start)
     xe, ye = batch(999_999, 2048)
     with torch.no_grad():
         eval_loss = float(loss_fn(model(xe), ye))
@@ -330,6 +437,7 @@ def _train_job(args: argparse.Namespace) -> dict[str, Any]:
         "rank": rank,
         "world_size": world,
         "backend": args.backend,
+        "algorithm": args.algorithm if args.backend == "cgx" else None,
         "bits": args.bits if args.backend == "cgx" else 32,
         "params": nparams,
         "step_times": times,
@@ -340,6 +448,9 @@ def _train_job(args: argparse.Namespace) -> dict[str, Any]:
         "eval_loss": eval_loss,
         "param_digest": digest,
         "tx_bytes_per_step": tx / args.steps if tx >= 0 else None,
+        "iface_bytes_per_step": {d: [v / args.steps for v in tr] for d, tr in iface.items()},
+        "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+        "group_rank": int(os.environ.get("GROUP_RANK", str(rank))),
     }
 
 
@@ -353,14 +464,17 @@ def main(argv: list[str] | None = None) -> int:
     ar.add_argument("--sizes", type=int, nargs="+", required=True, help="bytes")
     ar.add_argument("--bits", type=int, nargs="*", default=[])
     ar.add_argument("--no-gloo", action="store_true")
+    ar.add_argument("--algorithms", nargs="*", default=[], help="cgx algorithms, e.g. sra")
+    ar.add_argument("--iface-counters", action="store_true", help="counters per timed loop")
     ar.add_argument("--bucket-size", type=int, default=1024)
     ar.add_argument("--min-iters", type=int, default=3)
     ar.add_argument("--max-iters", type=int, default=20)
     ar.add_argument("--budget", type=float, default=3.0, help="seconds per (size, method)")
-    ar.add_argument("--codec-numel", type=int, default=1 << 22)
+    ar.add_argument("--codec-numel", type=int, default=1 << 22, help="0: no codec rates")
     tr = sub.add_parser("train")
     tr.add_argument("--backend", choices=["gloo", "cgx"], required=True)
     tr.add_argument("--bits", type=int, default=4)
+    tr.add_argument("--algorithm", choices=["auto", "flat", "hierarchical"], default="auto")
     tr.add_argument("--bucket-size", type=int, default=1024)
     tr.add_argument("--steps", type=int, default=20)
     tr.add_argument("--warmup", type=int, default=3)
