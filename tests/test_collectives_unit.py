@@ -80,6 +80,14 @@ class FakeTransport:
         self.failure: CGXError | None = None
         self.failed: asyncio.Future = asyncio.get_running_loop().create_future()
         self.failed.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self.comm_id = 7
+        self.activity: list[tuple[str, int, str]] = []
+
+    def collective_started(self, seq: int, what: str) -> None:
+        self.activity.append(("started", seq, what))
+
+    def collective_finished(self, seq: int) -> None:
+        self.activity.append(("finished", seq, ""))
 
     def check(self) -> None:
         if self.closed:
@@ -564,3 +572,18 @@ def test_oneshot_is_one_frame_per_peer(world):
         np.testing.assert_array_equal(x, want)
         assert sent == 2 * 2 * (world - 1)
     assert_replicas_identical([y for _, y, _ in results])
+
+
+def test_status_calls_bracket_every_collective():
+    """The mesh hears of each collective (for peers' timeout messages), failed ones too."""
+
+    async def body(comm):
+        await comm.allreduce(smooth_data(comm.rank, 100), bits=4)
+        with pytest.raises(ConfigError):
+            await comm.allreduce(smooth_data(comm.rank, 10), "max")
+        return comm.transport.activity
+
+    for activity in ok(run_world(1, body)):
+        assert activity[0] == ("started", 1, "allreduce, numel 100, bits 4")
+        assert activity[1] == ("finished", 1, "")
+        assert activity[2] == ("finished", 2, "")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import logging
 import os
 import time
@@ -21,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
-from ..config import CommConfig, resolve_comm
+from ..config import CommConfig, log_configuration, resolve_comm
 from ..errors import (
     CGXError,
     CGXTimeoutError,
@@ -32,7 +33,7 @@ from ..errors import (
     TransportError,
 )
 from ..layout import Layout
-from ..transport.frames import AbortCode, Frame
+from ..transport.frames import MIXED_BITS, AbortCode, Frame
 from ..transport.mesh import Mesh
 from ..transport.rendezvous import env_store
 from .allgather import prepare_allgather, run_allgather
@@ -94,6 +95,7 @@ async def connect(
     copy as fatal; see :mod:`cgx_ucx.transport.mesh`).
     """
     config = config if config is not None else resolve_comm()
+    warm = _start_codec_warm_up()  # in parallel with the rendezvous
     if store is None:
         store, env_rank, env_world = env_store(config.connect_timeout)
         rank = env_rank if rank is None else rank
@@ -103,7 +105,13 @@ async def connect(
     mesh = await Mesh.connect(
         store, int(rank), int(world_size), config, prefix, host, data_error_handling
     )
+    try:
+        await _codec_ready(warm, store, mesh, config, prefix)
+    except BaseException:
+        await mesh.abort()
+        raise
     _share_codec_threads(len(mesh.local_ranks))
+    log_configuration(config, None, rank=mesh.rank, world_size=mesh.world_size)
     return Communicator(mesh, config)
 
 
@@ -231,13 +239,18 @@ class Communicator:
         try:
             self._mesh.check()
             template, state = prepare()
-            call.template = template.with_(job=self._mesh.job, seq=seq, src=self.rank)
+            call.template = template.with_(
+                job=self._mesh.job, seq=seq, src=self.rank, comm=self._mesh.comm_id
+            )
+            # Peers that time out waiting for us are told which call we are in (issue 13).
+            self._mesh.collective_started(seq, _what(name, template))
             result = await body(call, state)
         except BaseException as exc:
             await self._after_failure(call, exc)
             raise
         finally:
             del self._calls[seq]
+            self._mesh.collective_finished(seq)
         call.give_back_all()
         stats = self._mesh.stats
         stats.collectives += 1
@@ -365,6 +378,57 @@ class Communicator:
         return await self._p2p.recv(x, src, tag)
 
 
+def _what(name: str, template: Frame) -> str:
+    """A collective as a peer's timeout message names it: "allreduce, numel 4096, bits 4"."""
+    what = f"{name}, numel {template.numel}"
+    if template.bits and template.bits != 32:
+        what += ", bits mixed" if template.bits == MIXED_BITS else f", bits {template.bits}"
+    return what
+
+
+def _start_codec_warm_up() -> concurrent.futures.Future | None:
+    """Compile (or load) the CPU codec's kernels on a thread; None without Numba."""
+    try:
+        from ..compression import cpu
+    except ImportError:  # pragma: no cover
+        return None
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cgx-warm-up")
+    fut = pool.submit(cpu.warm_up)
+    pool.shutdown(wait=False)
+    return fut
+
+
+async def _codec_ready(
+    warm: concurrent.futures.Future | None, store: Any, mesh: Mesh, config: CommConfig, prefix: str
+) -> None:
+    """Wait (bounded by ``connect_timeout``) until the codec is compiled on every rank.
+
+    A cold compile (a fresh install: an empty Numba cache) takes seconds; if it ran in a
+    first collective, a peer that was ready would time out waiting for this rank (issue
+    10). So no rank returns from connect before every rank's kernels are loaded: a
+    counter in the store, under the communicator's job-unique id. Past the bound the
+    connect goes on (a warning): a slow compile must not fail the run.
+    """
+    end = time.monotonic() + config.connect_timeout
+    if warm is not None:
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(warm), config.connect_timeout)
+        except TimeoutError:
+            log.warning("codec kernels not compiled within connect_timeout; going on")
+        except Exception as exc:  # the first compressed call reports it, typed
+            log.warning("codec warm-up failed: %s", exc)
+    if mesh.world_size == 1:
+        return
+    key = f"{prefix}/codec_ready/{mesh.job:x}"
+    count = int(store.add(key, 1))
+    while count < mesh.world_size:
+        if time.monotonic() > end:
+            log.warning("not every rank compiled its codec within connect_timeout; going on")
+            return
+        await asyncio.sleep(0.005)
+        count = int(store.add(key, 0))
+
+
 def _share_codec_threads(local_ranks: int) -> None:
     """Give the CPU codec ``cores // local ranks`` threads, unless someone chose already.
 
@@ -377,7 +441,7 @@ def _share_codec_threads(local_ranks: int) -> None:
         from ..compression import cpu
     except ImportError:  # pragma: no cover
         return
-    if getattr(cpu, "_threads", None) is not None or not hasattr(cpu, "set_num_threads"):
+    if cpu.threads_chosen():
         return
     try:
         cores = len(os.sched_getaffinity(0))

@@ -58,6 +58,19 @@ class Transport(Protocol):
         """Raise the failure that broke the group (a lost peer...), or TransportError if closed."""
         ...
 
+    @property
+    def comm_id(self) -> int:
+        """The communicator id every frame carries (unique in the job)."""
+        ...
+
+    def collective_started(self, seq: int, what: str) -> None:
+        """Collective ``seq`` (described by ``what``) started here: for peers' timeouts."""
+        ...
+
+    def collective_finished(self, seq: int) -> None:
+        """Collective ``seq`` ended here (success or failure)."""
+        ...
+
     def lose(self, rank: int, exc: CGXError) -> None:
         """Drop ``rank`` (it broke the protocol): every pending operation fails with ``exc``."""
         ...

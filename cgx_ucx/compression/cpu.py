@@ -43,6 +43,8 @@ __all__ = [
     "encode_into",
     "num_threads",
     "set_num_threads",
+    "threads_chosen",
+    "warm_up",
     "warmup",
 ]
 
@@ -428,6 +430,11 @@ def set_num_threads(n: int | None) -> None:
     _threads = None if n is None else check_positive_int(n, "codec threads")
 
 
+def threads_chosen() -> bool:
+    """Whether :func:`set_num_threads` chose a thread count (else: every core)."""
+    return _threads is not None
+
+
 def num_threads() -> int:
     """Threads a large call uses: set_num_threads(), else the cores this process may use."""
     return _threads if _threads is not None else _available_cores()
@@ -600,3 +607,13 @@ def warmup(dtypes: tuple[Any, ...] = (np.float32,)) -> None:
             encode_into(x, hdr, 0, buf)
             decode_into(buf, hdr, np.empty(n, dtype=dt))
             decode_add_into(buf, hdr, np.zeros(n, np.float32))
+
+
+def warm_up() -> None:
+    """Compile (or load from Numba's disk cache) every kernel for every dtype the codec
+    takes (float32, float16, bfloat16), so that no first call compiles.
+
+    :func:`cgx_ucx.collectives.connect` runs it on a thread while it connects: a cold
+    compile takes seconds, and it must never run inside a peer's deadline (issue 10).
+    """
+    warmup((np.float32, np.float16, BFLOAT16))

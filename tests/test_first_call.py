@@ -1,0 +1,46 @@
+"""The first compressed call of a process (issue 10): with an EMPTY Numba cache (a fresh
+install) and a short peer deadline, the run must not fail: connect() compiles the codec
+on a thread while it connects and returns only once every rank's kernels are loaded, so
+no compile runs inside a peer's deadline."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from harness import run_ranks
+
+from cgx_ucx.collectives import connect
+from cgx_ucx.config import CommConfig
+
+#: A peer deadline far below a cold compile of the codec; connect may take its time.
+CFG = CommConfig(timeout=2.0, connect_timeout=300.0)
+
+
+async def first_calls(ctx):
+    async with await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG) as comm:
+        out = []
+        for dtype in (np.float32, np.float16):
+            x = np.random.default_rng(ctx.rank).standard_normal(4096).astype(dtype)
+            t0 = time.perf_counter()
+            await comm.allreduce(x, bits=4)
+            out.append((x, time.perf_counter() - t0))
+        warm = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            await comm.allreduce(out[0][0].copy(), bits=4)
+            warm.append(time.perf_counter() - t0)
+    return out, float(np.median(warm))
+
+
+@pytest.mark.timeout(400)
+def test_cold_cache_and_a_short_timeout_never_fail_the_first_call(tmp_path, monkeypatch):
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "numba_cache"))
+    results = run_ranks(first_calls, 2, timeout=380)
+    for i in range(2):
+        assert results[0][0][i][0].tobytes() == results[1][0][i][0].tobytes()
+    # The first call compiles nothing: it costs what a warm one does, not seconds (the
+    # 3x target is the benchmark's; a test only rules out a compile inside the call).
+    first = max(r[0][0][1] for r in results)
+    assert first < 1.0, f"first compressed call took {first:.2f} s"
