@@ -222,8 +222,13 @@ class Call:
 
     def raise_mismatches(self, problems: list[str]) -> None:
         if problems:
+            # Every rank numbers its collectives in call order, so a rank that issued
+            # them in another order (PowerSGD with several DDP buckets, issue 12) meets
+            # a different call under the same number: say so, not only "disagree".
             raise CollectiveMismatchError(
-                f"collective #{self.seq} ({self.name}): ranks disagree: " + "; ".join(problems)
+                f"collective #{self.seq} ({self.name}): ranks disagree: ranks issued "
+                "collectives in a different order, or the same one with different "
+                "arguments: " + "; ".join(problems)
             )
 
     async def exchange_signatures(self) -> None:

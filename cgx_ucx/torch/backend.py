@@ -20,12 +20,13 @@ Semantics:
    BXOR, and bool tensors) are exact: SUM/AVG through the engine's uncompressed path,
    the rest through an allgather and a local reduction in rank order, so every rank
    computes the identical value.
-3. broadcast, allgather (list and single-tensor forms), reduce_scatter (both forms),
-   reduce, gather, scatter, barrier and allreduce_coalesced: what DDP and typical
-   training scripts call (DDP at construction: an allgather of parameter shapes and
-   broadcasts of parameters and buffers; per step: a buffer broadcast and one
-   allreduce per gradient bucket, measured by logging a Python ProcessGroup under
-   DDP in torch 2.13).
+3. Every op gloo has on CPU in torch 2.13: broadcast, allgather (list, single-tensor
+   and coalesced forms), reduce_scatter (list, tensor and coalesced forms), reduce,
+   gather, scatter, all_to_all (list and single-tensor, even or uneven splits),
+   barrier, monitored_barrier, allreduce_coalesced (:mod:`.ops`), and point-to-point
+   send/recv/recv from any source (:mod:`.p2p`). reduce_scatter SUM/AVG of float
+   tensors is quantized when compression is on (FSDP's gradient reduce-scatter),
+   like all_reduce; its allgathers stay exact.
 4. The ``timeout`` given to init_process_group bounds every wait: it becomes the
    engine's per-wait deadline (CommConfig.timeout) and bounds ``work.wait()``.
 5. ``async_op=True`` returns a :class:`~cgx_ucx.torch.work.CGXWork`; errors surface
@@ -54,8 +55,9 @@ from ..config import (
     validate_environment,
 )
 from ..errors import CGXError, ConfigError
-from ..layout import Layout
-from ._convert import as_array, can_sum, is_float
+from . import ops
+from . import p2p as _p2p
+from ._convert import as_array
 from .protocols import Communicator, Store
 from .work import CGXWork
 
@@ -71,17 +73,6 @@ __all__ = [
 log = logging.getLogger("cgx_ucx")
 
 BACKEND_NAME = "cgx"
-
-_RedOp = dist.ReduceOp.RedOpType
-#: Reductions computed by allgather + a local reduction (exact, rank order).
-_LOCAL_REDUCE = {
-    _RedOp.MAX: "max",
-    _RedOp.MIN: "min",
-    _RedOp.PRODUCT: "prod",
-    _RedOp.BAND: "band",
-    _RedOp.BOR: "bor",
-    _RedOp.BXOR: "bxor",
-}
 
 
 @dataclass(frozen=True)
@@ -143,44 +134,17 @@ def _comm_config(timeout: datetime.timedelta | None, options: CGXOptions | None)
     return resolve_comm(base, timeout=secs, connect_timeout=secs)
 
 
+def _timeout_of(opts: Any) -> Any:
+    """The ``timeout`` of torch's options object, if any."""
+    return getattr(opts, "timeout", None)
+
+
 def _connect(
     store: Store | None, rank: int, size: int, config: CommConfig, prefix: str
 ) -> Communicator:
     from ..engine import connect_sync  # the engine imports UCX: only when a group is made
 
     return connect_sync(store, rank, size, config=config, prefix=prefix)
-
-
-def _nothing() -> None:
-    return None
-
-
-def _red_op(op: Any) -> Any:
-    """The RedOpType of a ReduceOp or RedOpType."""
-    return op.op if isinstance(op, dist.ReduceOp) else op
-
-
-def _local_reduce(kind: str, gathered: torch.Tensor, out: torch.Tensor) -> None:
-    """Reduce ``gathered`` (world, ...) over dim 0 into ``out``, in rank order."""
-    if kind == "max":
-        torch.amax(gathered, dim=0, out=out)
-    elif kind == "min":
-        torch.amin(gathered, dim=0, out=out)
-    elif kind == "prod":
-        acc = gathered[0].clone()
-        for row in gathered[1:]:
-            acc.mul_(row)
-        out.copy_(acc)
-    else:
-        fn = {
-            "band": torch.bitwise_and,
-            "bor": torch.bitwise_or,
-            "bxor": torch.bitwise_xor,
-        }[kind]
-        acc = gathered[0].clone()
-        for row in gathered[1:]:
-            acc = fn(acc, row)
-        out.copy_(acc)
 
 
 class ProcessGroupCGX(dist.ProcessGroup):
@@ -221,6 +185,7 @@ class ProcessGroupCGX(dist.ProcessGroup):
             if communicator is not None
             else _connect(store, rank, size, self._comm_config, "cgx")
         )
+        self._view = ops.GroupView(self._comm, rank, size)
         log.info(
             "cgx process group rank %d/%d up (timeout %.0f s)",
             rank,
@@ -307,64 +272,16 @@ class ProcessGroupCGX(dist.ProcessGroup):
             raise ConfigError(f"{what} needs {self._size} {side} tensors, got {len(per_rank)}")
         return per_rank
 
-    @staticmethod
-    def _staged(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
-        """A contiguous tensor standing for ``t`` and the step that writes it back."""
-        if t.is_contiguous():
-            return t, lambda: None
-        stage = t.contiguous()
-        return stage, lambda: t.copy_(stage)
-
-    def _allreduce_into(self, t: torch.Tensor, op: Any) -> tuple[Any, Callable[[], None]]:
-        """Start an allreduce of contiguous ``t`` in place.
-
-        Returns the engine future and the step to run once it is done (the local
-        reduction of the allgather path; nothing for SUM/AVG). That step runs on a
-        completion thread, never on the engine's loop.
-        """
-        op = _red_op(op)
-        if op in (_RedOp.SUM, _RedOp.AVG) and can_sum(t):
-            if op == _RedOp.AVG and not (t.is_floating_point() or t.is_complex()):
-                raise ConfigError(f"AVG is defined for floating tensors only, got {t.dtype}")
-            arr = as_array(t.view(-1))  # complex: 2 floats per value
-            cfg = self.compression
-            if is_float(t) and cfg.enabled:
-                layout = Layout.from_sizes([arr.size], cfg)
-            else:
-                layout = Layout.uniform(arr.size)
-            cf = self._comm.allreduce(
-                arr,
-                op="avg" if op == _RedOp.AVG else "sum",
-                layout=layout,
-                stochastic=cfg.stochastic,
-                seed=cfg.seed,
-            )
-            return cf, _nothing
-        kind = _LOCAL_REDUCE.get(op)
-        if op in (_RedOp.SUM, _RedOp.AVG) and t.dtype == torch.bool:
-            kind = "bor"  # torch's SUM of bools is a logical or
-        if kind is None:
-            raise ConfigError(f"the cgx backend does not support reduce op {op}")
-        if kind in ("band", "bor", "bxor") and (t.is_floating_point() or t.is_complex()):
-            raise ConfigError(
-                f"bitwise reduce op {op} needs integer or bool tensors, got {t.dtype}"
-            )
-        if t.is_complex() and kind in ("max", "min"):
-            raise ConfigError(f"{op} is not defined for complex tensors")
-        # Exact: allgather every rank's tensor, then reduce locally in rank order, so
-        # every rank computes the same value.
-        flat = t.view(-1)
-        gathered = torch.empty((self._size, flat.numel()), dtype=t.dtype, device=t.device)
-        cf = self._comm.allgather(as_array(flat), out=as_array(gathered))
-        return cf, lambda: _local_reduce(kind, gathered, flat)
+    def _run(self, pending: ops.Pending, opts: Any) -> CGXWork:
+        return self._work(pending.what, pending.future, pending.finish, _timeout_of(opts))
 
     # -- collectives -------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> CGXWork:
         self._check_open()
         opts = opts if opts is not None else dist.AllreduceOptions()
         t = self._single(tensors, "allreduce")
-        stage, back = self._staged(t)
-        cf, post = self._allreduce_into(stage, opts.reduceOp)
+        stage, back = ops.staged(t)
+        cf, post = ops.allreduce_into(self._view, stage, opts.reduceOp, self.compression)
 
         def finish(_: Any) -> list[torch.Tensor]:
             post()
@@ -381,7 +298,7 @@ class ProcessGroupCGX(dist.ProcessGroup):
         if len({(t.dtype, t.device) for t in tensors}) != 1:
             raise ConfigError("allreduce_coalesced needs tensors of one dtype and device")
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        cf, post = self._allreduce_into(flat, opts.reduceOp)
+        cf, post = ops.allreduce_into(self._view, flat, opts.reduceOp, self.compression)
 
         def finish(_: Any) -> list[torch.Tensor]:
             post()
@@ -399,7 +316,7 @@ class ProcessGroupCGX(dist.ProcessGroup):
         t = self._single(tensors, "broadcast")
         if opts.rootTensor != 0:
             raise ConfigError("cgx broadcast takes one tensor per rank (rootTensor must be 0)")
-        stage, back = self._staged(t)
+        stage, back = ops.staged(t)
         cf = self._comm.broadcast(as_array(stage), root=opts.rootRank)
 
         def finish(_: Any) -> list[torch.Tensor]:
@@ -436,7 +353,7 @@ class ProcessGroupCGX(dist.ProcessGroup):
                 o.copy_(row.view_as(o))
             return output_tensors
 
-        return self._work("allgather", cf, finish, getattr(opts, "timeout", None))
+        return self._work("allgather", cf, finish, _timeout_of(opts))
 
     def all_gather_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
@@ -448,36 +365,34 @@ class ProcessGroupCGX(dist.ProcessGroup):
                 f"all_gather_single: output must hold {self._size} x {input.numel()} values "
                 f"of {input.dtype}, got {output.numel()} of {output.dtype}"
             )
-        stage, back = self._staged(output)
+        stage, back = ops.staged(output)
         cf = self._allgather_flat(input.contiguous(), stage.view(self._size, -1))
 
         def finish(_: Any) -> list[torch.Tensor]:
             back()
             return [output]
 
-        return self._work("all_gather_single", cf, finish, getattr(opts, "timeout", None))
+        return self._work("all_gather_single", cf, finish, _timeout_of(opts))
 
     # torch < 2.13 names the same operation _allgather_base.
     _allgather_base = all_gather_single
 
-    def _reduce_scatter_flat(
-        self, output: torch.Tensor, flat: torch.Tensor, op: Any, timeout: Any, what: str
+    def allgather_coalesced(
+        self,
+        output_lists: list[list[torch.Tensor]],
+        input_list: list[torch.Tensor],
+        opts: Any = None,
     ) -> CGXWork:
-        """Allreduce ``flat`` (a private buffer of world * n values), keep our chunk."""
-        n = output.numel()
-        if flat.numel() != self._size * n:
-            raise ConfigError(
-                f"{what}: input must hold {self._size} x {n} values, got {flat.numel()}"
-            )
-        cf, post = self._allreduce_into(flat, op)
-        rank = self._rank
+        self._check_open()
+        return self._run(ops.allgather_coalesced(self._view, output_lists, input_list), opts)
 
-        def finish(_: Any) -> list[torch.Tensor]:
-            post()
-            output.copy_(flat[rank * n : (rank + 1) * n].view_as(output))
-            return [output]
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> CGXWork:
+        self._check_open()
+        return self._run(ops.allgather_into_tensor_coalesced(self._view, outputs, inputs), opts)
 
-        return self._work(what, cf, finish, timeout)
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     def reduce_scatter(
         self,
@@ -485,24 +400,65 @@ class ProcessGroupCGX(dist.ProcessGroup):
         input_tensors: list[list[torch.Tensor]],
         opts: Any = None,
     ) -> CGXWork:
+        """Shard ``rank`` of the reduction; SUM/AVG of floats quantized when compression
+        is on (the sum of the peers' quantized shards and our own exact one)."""
         self._check_open()
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         out = self._single(output_tensors, "reduce_scatter")
         ins = self._per_rank(input_tensors, "reduce_scatter", "input")
-        flat = torch.cat([x.reshape(-1) for x in ins])
-        return self._reduce_scatter_flat(out, flat, opts.reduceOp, opts.timeout, "reduce_scatter")
+        cfg = self.compression
+        return self._run(ops.reduce_scatter(self._view, out, ins, opts.reduceOp, cfg), opts)
 
     def reduce_scatter_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> CGXWork:
+        """reduce_scatter_tensor: as :meth:`reduce_scatter`; ``input`` stays unchanged."""
         self._check_open()
         opts = opts if opts is not None else dist.ReduceScatterOptions()
-        flat = input.reshape(-1).clone()  # the input must stay unchanged
-        return self._reduce_scatter_flat(
-            output, flat, opts.reduceOp, opts.timeout, "reduce_scatter_single"
+        pending = ops.reduce_scatter(
+            self._view, output, input, opts.reduceOp, self.compression, "reduce_scatter_single"
         )
+        return self._run(pending, opts)
 
     _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> CGXWork:
+        self._check_open()
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        pending = ops.reduce_scatter_tensor_coalesced(
+            self._view, outputs, inputs, opts.reduceOp, self.compression
+        )
+        return self._run(pending, opts)
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> CGXWork:
+        """all_to_all_single: even (empty split lists) or uneven splits along dim 0."""
+        self._check_open()
+        pending = ops.alltoall_single(
+            self._view, output, input, output_split_sizes, input_split_sizes
+        )
+        return self._run(pending, opts)
+
+    all_to_all_single = alltoall_base
+
+    def alltoall(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[torch.Tensor],
+        opts: Any = None,
+    ) -> CGXWork:
+        self._check_open()
+        return self._run(ops.alltoall(self._view, output_tensors, input_tensors), opts)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> CGXWork:
         """Reduce to ``rootRank``; other ranks' tensors are left unchanged."""
@@ -511,7 +467,7 @@ class ProcessGroupCGX(dist.ProcessGroup):
         t = self._single(tensors, "reduce")
         is_root = self._rank == opts.rootRank
         stage = t.contiguous() if is_root else t.clone(memory_format=torch.contiguous_format)
-        cf, post = self._allreduce_into(stage, opts.reduceOp)
+        cf, post = ops.allreduce_into(self._view, stage, opts.reduceOp, self.compression)
 
         def finish(_: Any) -> list[torch.Tensor]:
             post()
@@ -532,12 +488,10 @@ class ProcessGroupCGX(dist.ProcessGroup):
         t = self._single(input_tensors, "gather")
         is_root = self._rank == opts.rootRank
         outs = self._per_rank(output_tensors, "gather", "output") if is_root else []
-        gathered = torch.empty((self._size, t.numel()), dtype=t.dtype, device=t.device)
-        cf = self._allgather_flat(t.contiguous(), gathered)
+        cf, post = ops.gather(self._view, outs, t, opts.rootRank)
 
-        def finish(_: Any) -> list[list[torch.Tensor]]:
-            for o, row in zip(outs, gathered, strict=False):
-                o.copy_(row.view_as(o))
+        def finish(result: Any) -> list[list[torch.Tensor]]:
+            post(result)
             return output_tensors
 
         return self._work("gather", cf, finish, opts.timeout)
@@ -552,17 +506,11 @@ class ProcessGroupCGX(dist.ProcessGroup):
         opts = opts if opts is not None else dist.ScatterOptions()
         out = self._single(output_tensors, "scatter")
         is_root = self._rank == opts.rootRank
-        if is_root:
-            ins = self._per_rank(input_tensors, "scatter", "input")
-            buf = torch.stack([x.reshape(-1) for x in ins])
-        else:
-            buf = torch.empty((self._size, out.numel()), dtype=out.dtype, device=out.device)
-        # One broadcast of every rank's part: simple and exact; scatter is rare in training.
-        cf = self._comm.broadcast(as_array(buf), root=opts.rootRank)
-        rank = self._rank
+        ins = self._per_rank(input_tensors, "scatter", "input") if is_root else None
+        cf, post = ops.scatter(self._view, out, ins, opts.rootRank)
 
-        def finish(_: Any) -> list[torch.Tensor]:
-            out.copy_(buf[rank].view_as(out))
+        def finish(result: Any) -> list[torch.Tensor]:
+            post(result)
             return output_tensors
 
         return self._work("scatter", cf, finish, opts.timeout)
@@ -570,13 +518,29 @@ class ProcessGroupCGX(dist.ProcessGroup):
     def barrier(self, opts: Any = None) -> CGXWork:
         self._check_open()
         cf = self._comm.barrier()
-        return self._work("barrier", cf, lambda _: [], getattr(opts, "timeout", None))
+        return self._work("barrier", cf, lambda _: [], _timeout_of(opts))
 
+    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+        """A barrier bounded by ``timeout`` (CGXTimeoutError past it). Every rank waits
+        for all (``wait_all_ranks`` is accepted: a late rank is named by the engine's
+        status query when one is silent past the group's timeout)."""
+        self.barrier().wait(timeout)
+
+    # -- point to point ------------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> CGXWork:
-        raise CGXError("the cgx backend has no point-to-point send/recv; use a gloo group")
+        """Send to group rank ``dst``; ordered per (destination, tag) (see :mod:`.p2p`)."""
+        self._check_open()
+        return self._run(_p2p.send(self._view, tensors, dst, tag), None)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> CGXWork:
-        raise CGXError("the cgx backend has no point-to-point send/recv; use a gloo group")
+        self._check_open()
+        return _p2p.recv(self._view, tensors, src, tag, self._comm_config.timeout)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> CGXWork:
+        """Receive from whichever rank sends first on ``tag``; the work's
+        ``_source_rank()`` names it (torch's ``recv(src=None)`` returns it)."""
+        self._check_open()
+        return _p2p.recv(self._view, tensors, None, tag, self._comm_config.timeout)
 
     # -- lifetime ----------------------------------------------------------------------------
     def shutdown(self) -> None:

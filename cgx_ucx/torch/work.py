@@ -90,8 +90,8 @@ class CGXWork(_TorchWork):
         limit = _seconds(timeout) or self._timeout
         if not self._done.wait(limit):
             raise CGXTimeoutError(
-                f"cgx {self._what} did not complete within {limit:.3g} s "
-                "(the process group's timeout); a peer is dead or silent"
+                f"cgx {self._what} did not complete within {limit:.3g} s (the process "
+                "group's timeout, or the wait's): timeout of a peer that is dead or silent"
             )
         if self._exception is not None:
             raise self._exception
