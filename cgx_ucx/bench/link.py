@@ -11,8 +11,7 @@ same links in one run:
 2. with ``--train``: DDP training of an MLP (about 22 M parameters) on gloo against DDP +
    ``cgx_hook`` on the ``cgx`` backend: mean step time, wire bytes per step, the loss curve
    and the loss of the trained model on a held-out batch. The per-rank batch is 8: a CPU
-   core computes a step of this MLP at batch 32 in about 0.25 s (measured: 0.32 s per
-   step on an unshaped link, 0.83 s at 1 Gbit/s), so small batches keep the ratio of
+   core computes this MLP far slower than a GPU, so small batches keep the ratio of
    compute to communication near that of a GPU, the setting CGX is about;
 3. the lower bound of each case: ``max(wire bytes / link rate, codec time)``. Wire bytes are
    the bandwidth-optimal ``2 (N-1)/N`` times the encoded buffer per rank less the token
@@ -27,15 +26,20 @@ Honesty checks; the command refuses to report (exit 3) when one fails:
 - the raw TCP probe must not exceed the shaped rate (else traffic is not crossing the link);
 - every uncompressed allreduce (gloo, cgx32) must take at least the time its minimal bytes
   need at the shaped rate (less the token bucket's burst), and its device must have sent
-  them: with ``UCX_TLS`` unset, UCX found shared memory across namespaces and ignored the
-  shaping (measured 1.86 GB/s on a "1 Gbit" link), which this catches;
+  them: with ``UCX_TLS`` unset, UCX can find shared memory across namespaces (one kernel)
+  and ignore the shaping, which this catches;
 - cgx32 must equal gloo (relative L2 error below 1e-5), and no result may be non-finite.
 
 Delay is not emulated: ``netem`` is missing from the kernel this was written on (reported
 in the JSON as ``netem_available``); links here have veth latency (tens of microseconds).
 
-Output: a table (with a progress bar while running), ``benchmarks/results/link.json`` and
-``benchmarks/results/link.png`` (speedup over gloo against link rate, one line per bit width).
+Output: a table (with a progress bar while running), ``link.json`` and ``link.png``
+(speedup over gloo against link rate, one line per bit width) in the results directory
+(``--out-dir``; see :mod:`cgx_ucx.bench.report`).
+
+Several ranks per node (one namespace per node, shared memory inside it, the shaped link
+between nodes; flat against hierarchical cgx_ucx): ``python -m cgx_ucx.bench nodes``
+(:mod:`cgx_ucx.bench.nodes`).
 """
 
 from __future__ import annotations
@@ -61,8 +65,8 @@ from .report import add_output_args, format_table, results_dir, write_json
 __all__ = ["main"]
 
 MIB = 1 << 20
-#: Tolerance of the honesty checks: tbf's rate is exact to well under 1% (measured 95.6% TCP
-#: payload = 1448/1514 of the frame rate at 100 Mbit/s-10 Gbit/s); 5% leaves room for timers.
+#: Tolerance of the honesty checks: tbf's rate is exact to well under 1% (TCP payload is at
+#: most 1448/1514 of the frame rate tbf counts); 5% leaves room for timers.
 RATE_TOLERANCE = 1.05
 #: cgx32 must match gloo's float32 sum: the same sum in another order differs by ~1e-7.
 EXACT_REL_ERR = 1e-5
@@ -169,9 +173,9 @@ def _bounds(
 ) -> None:
     """Add the wire, codec and lower-bound times of ``row`` (see the module doc, item 3).
 
-    The first ``burst`` bytes pass the token bucket at line speed (measured: a 4-bit 1 MiB
-    allreduce, 134 KB per rank, took 4.8 ms on a 100 Mbit/s link that needs 11 ms for it),
-    so they are left out of the wire time.
+    The first ``burst`` bytes pass the token bucket at line speed (a small allreduce that
+    fits in the bucket finishes faster than the rate allows), so they are left out of the
+    wire time.
     """
     numel = row["size"] // 4
     bits = 32 if row["method"] == "gloo" else int(row["method"][3:])
@@ -237,9 +241,9 @@ def thread_env(world: int) -> dict[str, str]:
     """Each rank gets its share of the cores, as torchrun's OMP_NUM_THREADS does.
 
     The ranks of one machine share its cores; Numba's parallel kernels otherwise start one
-    thread per core in every rank. Measured here (2 cores, 2 ranks, 1 Gbit/s): a 1 MiB
-    4-bit allreduce took 16-54 ms with Numba's default threads and 1.2-2.7 ms with one.
-    The workers also give torch the same share (torch.set_num_threads).
+    thread per core in every rank, and the oversubscribed threads wait on each other
+    (small allreduces slow down by an order of magnitude). The workers also give torch
+    the same share (torch.set_num_threads).
     """
     return {"NUMBA_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world))}
 

@@ -115,7 +115,7 @@ def _codec_rates(bits_list: list[int], bucket: int, numel: int) -> dict[str, dic
     """Single-core codec throughput (values/s) per bit width: encode, decode, decode_add.
 
     One Numba thread, so the driver can scale it by the cores each rank really has while
-    all ranks run their codecs at once (2 cores shared by the ranks here).
+    all ranks run their codecs at once on the cores they share.
     """
     import numba
 
