@@ -13,7 +13,12 @@ same links in one run:
    and the loss of the trained model on a held-out batch. The per-rank batch is 8: a CPU
    core computes this MLP far slower than a GPU, so small batches keep the ratio of
    compute to communication near that of a GPU, the setting CGX is about;
-3. the lower bound of each case: ``max(wire bytes / link rate, codec time)``. Wire bytes are
+3. with ``--fsdp``: FSDP2 (``fully_shard`` per Linear on a CPU device mesh of the world
+   group) on the same MLP and data, gloo against the ``cgx`` backend at each
+   ``--fsdp-bits``: the parameter all-gathers stay exact, the gradient reduce-scatter is
+   quantized (DeepSpeed ZeRO++ qgZ's idea). Median step time after warm-up, the bytes each
+   rank's device sent per step next to the model's, cgx's own count, the held-out loss;
+4. the lower bound of each case: ``max(wire bytes / link rate, codec time)``. Wire bytes are
    the bandwidth-optimal ``2 (N-1)/N`` times the encoded buffer per rank less the token
    bucket's burst (which passes at line speed), the rate is the
    TCP payload rate measured across the same link in the same run, and the codec time is
@@ -28,7 +33,11 @@ Honesty checks; the command refuses to report (exit 3) when one fails:
   need at the shaped rate (less the token bucket's burst), and its device must have sent
   them: with ``UCX_TLS`` unset, UCX can find shared memory across namespaces (one kernel)
   and ignore the shaping, which this catches;
-- cgx32 must equal gloo (relative L2 error below 1e-5), and no result may be non-finite.
+- cgx32 must equal gloo (relative L2 error below 1e-5), and no result may be non-finite;
+- FSDP2 (:func:`verify_fsdp`): held-out loss within ``FSDP_EXACT_LOSS`` of gloo's at 32 bits
+  and ``FSDP_LOSS_TOLERANCE`` compressed; the reduce-scatters went through cgx; uncompressed
+  runs sent what FSDP2 must send over the shaped device, and a compressed run sent less by
+  at least ``FSDP_MIN_SAVING`` of what quantizing the reduce-scatter saves.
 
 Delay is not emulated: ``netem`` is missing from the kernel this was written on (reported
 in the JSON as ``netem_available``); links here have veth latency (tens of microseconds).
@@ -171,7 +180,7 @@ def _bounds(
     bucket: int,
     cores: int,
 ) -> None:
-    """Add the wire, codec and lower-bound times of ``row`` (see the module doc, item 3).
+    """Add the wire, codec and lower-bound times of ``row`` (see the module doc, item 4).
 
     The first ``burst`` bytes pass the token bucket at line speed (a small allreduce that
     fits in the bucket finishes faster than the rate allows), so they are left out of the
@@ -270,6 +279,9 @@ def _forward_progress(bar: Progress, verbose: bool) -> Any:
                 bar.note(f"{size_label(info['size'])} {info['method']}: {ms}", advance=1)
             elif phase == "train":
                 bar.note(f"train {info['backend']} step {info['step']}/{info['of']}", advance=1)
+            elif phase == "fsdp":
+                name = f"cgx{info['bits']}" if info["backend"] == "cgx" else "gloo"
+                bar.note(f"fsdp {name} step {info['step']}/{info['of']}", advance=1)
             else:
                 bar.note(str(phase))
         elif verbose:
@@ -290,6 +302,8 @@ def _estimate_timeout(args: argparse.Namespace, rate_bps: int, world: int, job: 
         )
         return 3 * methods * per + 180
     grad_bytes = 4 * 22_000_000 * (args.hidden / 3072) ** 2
+    if job == "fsdp":  # two all-gathers and one reduce-scatter per step, each (N-1)/N
+        share = 3 * (world - 1) / world
     return 3 * (args.warmup + args.steps) * (share * grad_bytes / rate + 3.0) + 180
 
 
@@ -355,6 +369,9 @@ def _run_config(
         config["violations"] = _verify(rows, link, probe, world)
         if args.train and not config["violations"]:
             config["train"] = _train(args, link, world, rate_bps, bar, tmp)
+        if args.fsdp and not config["violations"]:
+            config["fsdp"] = _fsdp(args, link, world, rate_bps, bar, tmp)
+            config["violations"] = verify_fsdp(config["fsdp"], world, args.bucket_size)
     return config
 
 
@@ -400,6 +417,128 @@ def _train(
         row["speedup"] = base["step_s_mean"] / row["step_s_mean"]
         row["loss_vs_gloo"] = row["eval_loss"] / base["eval_loss"] - 1
     return out
+
+
+def _fsdp(
+    args: argparse.Namespace,
+    link: LinkEmulator,
+    world: int,
+    rate_bps: int,
+    bar: Progress,
+    tmp: Path,
+) -> list[dict[str, Any]]:
+    """FSDP2 training on gloo, then on cgx at each ``--fsdp-bits``; one row each (the
+    slowest rank per step, the busiest rank's bytes)."""
+    out = []
+    for backend, bits in [("gloo", 32)] + [("cgx", b) for b in args.fsdp_bits]:
+        prefix = str(tmp / f"fsdp-{backend}{bits}-w{world}-{rate_bps}")
+        fs_args = ["--backend", backend, "--bits", str(bits), "--out", prefix]
+        fs_args += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+        fs_args += ["--batch", str(args.batch), "--hidden", str(args.hidden)]
+        fs_args += ["--bucket-size", str(args.bucket_size), "--timeout", str(args.timeout)]
+        ranks = _run_job(link, "fsdp", fs_args, prefix, args, rate_bps, world, bar)
+        steps = min(len(r["step_times"]) for r in ranks)
+        times = [max(r["step_times"][k] for r in ranks) for k in range(steps)]
+        tx = [r["tx_bytes_per_step"] for r in ranks]
+        row = {
+            "method": "gloo" if backend == "gloo" else f"cgx{bits}",
+            "backend": backend,
+            "bits": ranks[0]["bits"],
+            "params": ranks[0]["params"],
+            "steps": steps,
+            "step_s_median": median(times),
+            "step_s_mean": sum(times) / len(times),
+            "step_times": times,
+            "tx_bytes_per_step": max(tx) if None not in tx else None,
+            "eval_loss": ranks[0]["eval_loss"],
+            "eval_loss_per_rank": [r["eval_loss"] for r in ranks],
+            "loss_curve_rank0": ranks[0]["losses"],
+        }
+        if backend == "cgx":
+            row["cgx_bytes_sent_per_step"] = max(r["cgx_bytes_sent_per_step"] for r in ranks)
+            row["cgx_collectives_per_step"] = ranks[0]["cgx_collectives_per_step"]
+        out.append(row)
+    base = out[0]
+    for row in out:
+        row["speedup"] = base["step_s_median"] / row["step_s_median"]
+        row["loss_vs_gloo"] = row["eval_loss"] / base["eval_loss"] - 1
+    return out
+
+
+#: cgx32 runs the same FSDP2 step as gloo, adding in another order: float rounding only.
+FSDP_EXACT_LOSS = 1e-3
+#: A compressed reduce-scatter may move the held-out loss by at most this (relative).
+FSDP_LOSS_TOLERANCE = 0.02
+#: The compressed run must save at least this share of the bytes the model says the
+#: quantized reduce-scatter saves (framing, control messages and ACKs blur the rest).
+FSDP_MIN_SAVING = 0.7
+
+
+def fsdp_bytes_model(params: int, world: int, bits: int, gathers: float, bucket: int) -> float:
+    """Bytes one rank sends per FSDP2 step: ``gathers`` exact all-gathers of its shard to
+    each peer (forward, and again in backward with FSDP2's default reshard after forward),
+    one reduce-scatter sending each peer its shard at ``bits``."""
+    share = (world - 1) / world
+    rs = 4 * params if bits == 32 else encoded_nbytes(params, bits, bucket)
+    return share * (gathers * 4 * params + rs)
+
+
+def verify_fsdp(rows: list[dict[str, Any]], world: int, bucket: int) -> list[str]:
+    """The FSDP rows' honesty checks; the list of violations (empty when honest).
+
+    - every rank ends with the same held-out loss (FSDP2 keeps one model, sharded);
+    - cgx32's loss is gloo's within FSDP_EXACT_LOSS, compressed runs' within
+      FSDP_LOSS_TOLERANCE;
+    - every cgx run's reduce-scatters went through the cgx group;
+    - with device counters: the uncompressed runs sent at least 90% of the bytes FSDP2 must
+      send (else traffic did not cross the shaped link), and each compressed run saved at
+      least FSDP_MIN_SAVING of what quantizing the reduce-scatter saves, against cgx32 when
+      it ran (the same framing), else against gloo.
+    """
+    bad = []
+    by = {r["method"]: r for r in rows}
+    gloo = by["gloo"]
+    cgx = [r for r in rows if r["backend"] == "cgx"]
+    counts = cgx[0]["cgx_collectives_per_step"] if cgx else {}
+    scatters = counts.get("reduce_scatter", 0.0)
+    gathers = counts.get("allgather", 0.0) / scatters if scatters else 2.0
+    for row in rows:
+        name = f"fsdp {row['method']}"
+        losses = row["eval_loss_per_rank"]
+        if not all(math.isfinite(v) for v in losses) or max(losses) != min(losses):
+            bad.append(f"{name}: ranks ended with different or non-finite losses {losses}")
+        limit = FSDP_EXACT_LOSS if row["bits"] == 32 else FSDP_LOSS_TOLERANCE
+        if abs(row["loss_vs_gloo"]) > limit:
+            bad.append(
+                f"{name}: held-out loss {row['eval_loss']:.5f} is {row['loss_vs_gloo']:+.2%} "
+                f"from gloo's {gloo['eval_loss']:.5f} (tolerance {limit:.2%})"
+            )
+        if row["backend"] == "cgx" and not row["cgx_collectives_per_step"].get("reduce_scatter"):
+            bad.append(f"{name}: no reduce_scatter went through the cgx group")
+        row["tx_bytes_model"] = fsdp_bytes_model(row["params"], world, row["bits"], gathers, bucket)
+    ref = by.get("cgx32", gloo)
+    for row in rows:
+        name = f"fsdp {row['method']}"
+        if row["tx_bytes_per_step"] is None or ref["tx_bytes_per_step"] is None:
+            continue
+        if row["bits"] == 32 and row["tx_bytes_per_step"] < 0.9 * row["tx_bytes_model"]:
+            bad.append(
+                f"{name}: the shaped device sent {row['tx_bytes_per_step'] / MIB:.2f} MiB per "
+                f"step of the {row['tx_bytes_model'] / MIB:.2f} MiB FSDP2 must send: traffic "
+                "went elsewhere"
+            )
+        if row["bits"] == 32:
+            continue
+        saved = ref["tx_bytes_per_step"] - row["tx_bytes_per_step"]
+        model = ref["tx_bytes_model"] - row["tx_bytes_model"]
+        row["tx_saved_vs_" + ref["method"]] = saved
+        if saved < FSDP_MIN_SAVING * model:
+            bad.append(
+                f"{name}: sent {saved / MIB:.2f} MiB per step less than {ref['method']}, not "
+                f"the {model / MIB:.2f} MiB a {row['bits']}-bit reduce-scatter saves: the "
+                "gradients were not compressed"
+            )
+    return bad
 
 
 def _tables(configs: list[dict[str, Any]]) -> str:
@@ -452,6 +591,31 @@ def _tables(configs: list[dict[str, Any]]) -> str:
             "waiting for the last bucket)\n"
         )
         text += format_table(thead, train_rows)
+    fsdp_rows = [
+        [
+            c["world_size"],
+            c["link"]["rate"],
+            f["method"],
+            f["step_s_median"] * 1e3,
+            f["speedup"],
+            f["tx_bytes_per_step"] / MIB if f["tx_bytes_per_step"] is not None else "-",
+            f["tx_bytes_model"] / MIB if "tx_bytes_model" in f else "-",
+            f["cgx_bytes_sent_per_step"] / MIB if "cgx_bytes_sent_per_step" in f else "-",
+            f["eval_loss"],
+            f"{100 * f['loss_vs_gloo']:+.3f}%",
+        ]
+        for c in configs
+        for f in c.get("fsdp", [])
+    ]
+    if fsdp_rows:
+        fhead = ["world", "link", "method", "step ms", "speedup", "wire MiB/step"]
+        fhead += ["model MiB", "cgx MiB/step", "eval loss", "loss vs gloo"]
+        text += (
+            "\n\nFSDP2 training (fully_shard per Linear, same MLP and data; median step time "
+            "after warm-up; parameter all-gathers exact, gradient reduce-scatter at the "
+            "method's bits)\n"
+        )
+        text += format_table(fhead, fsdp_rows)
     return text
 
 
@@ -492,6 +656,21 @@ def _headline(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         "text": f"{t['speedup']:.2f}x gloo's step time (target >= "
                         f"{TARGET_TRAIN_SPEEDUP:g}x), held-out loss "
                         f"{100 * t['loss_vs_gloo']:+.2f}% (target within {100 * TARGET_LOSS:g}%)",
+                    }
+                )
+        for f in c.get("fsdp", []):
+            if f["backend"] == "cgx" and f["bits"] != 32:
+                lines.append(
+                    {
+                        "case": f"FSDP2 training {f['bits']} bits, {where}",
+                        "speedup": f["speedup"],
+                        "loss_vs_gloo": f["loss_vs_gloo"],
+                        "text": f"{f['speedup']:.2f}x gloo's median step time, held-out loss "
+                        f"{100 * f['loss_vs_gloo']:+.3f}% (tolerance "
+                        f"{100 * FSDP_LOSS_TOLERANCE:g}%), "
+                        f"{f['tx_bytes_per_step'] / MIB:.1f} MiB sent per step and rank"
+                        if f["tx_bytes_per_step"] is not None
+                        else "no device counters",
                     }
                 )
     return lines
@@ -564,6 +743,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=float, default=2.0, help="seconds per (size, method)")
     p.add_argument("--train", action="store_true", help="also DDP training, gloo vs cgx")
     p.add_argument("--train-bits", type=int, default=4)
+    p.add_argument(
+        "--fsdp", action="store_true", help="also FSDP2 training, gloo vs cgx at --fsdp-bits"
+    )
+    p.add_argument(
+        "--fsdp-bits",
+        nargs="+",
+        type=int,
+        default=[4, 32],
+        help="bits of cgx's gradient reduce-scatter under FSDP2 (default 4 32)",
+    )
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--batch", type=int, default=8, help="per rank (see the module doc)")
@@ -579,7 +768,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; 0 on success, 2 without root/iproute2, 3 when a check refused."""
     args = _parser().parse_args(argv)
-    for bits in [*args.bits, args.train_bits]:
+    for bits in [*args.bits, args.train_bits, *args.fsdp_bits]:
         if not (1 <= bits <= 8 or bits == 32):
             print(f"bits must be 1..8 or 32, got {bits}", file=sys.stderr)
             return 2
@@ -598,6 +787,8 @@ def main(argv: list[str] | None = None) -> int:
     steps_per = 1 + len(args.sizes) * (len(args.bits) + 1)
     if args.train:
         steps_per += 2 * (args.steps + args.warmup)
+    if args.fsdp:
+        steps_per += (1 + len(args.fsdp_bits)) * (args.steps + args.warmup)
     configs = []
     bar = Progress(steps_per * len(args.world) * len(args.rates))
     try:
@@ -626,6 +817,12 @@ def main(argv: list[str] | None = None) -> int:
         "in); bound: max(wire time at the measured TCP rate, codec time at the measured "
         "single-core codec rate / cores per rank); rel err: relative L2 error against gloo."
     )
+    if any(c.get("fsdp") for c in configs):
+        print(
+            "FSDP2 model MiB: what one rank must send per step at best, (N-1)/N of the "
+            "parameters per all-gather (forward, and backward after resharding) plus (N-1)/N "
+            "of the gradients at the method's bits; cgx MiB: cgx's own count (frame headers in)."
+        )
     if not netem:
         print("No delay emulation: the netem qdisc is not in this kernel.")
     headline = _headline(configs)

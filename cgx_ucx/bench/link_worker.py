@@ -15,6 +15,10 @@ numbers: gloo's result is the reference; cgx_ucx's error against it is recorded.
 backend with ``cgx_hook``; step times, wire bytes per step, the loss curve and the loss of
 the trained model on a fixed held-out batch.
 
+``fsdp``: FSDP2 (``fully_shard`` per Linear on a CPU device mesh) on the same MLP and data,
+on gloo or on ``cgx`` with the gradient reduce-scatter at ``--bits``; step times, wire bytes
+per step (and on cgx the communicator's bytes and collectives per step), the held-out loss.
+
 For the nodes layout (:mod:`cgx_ucx.bench.nodes`): ``allreduce --algorithms sra
 hierarchical`` runs cgx_ucx once per algorithm at every bit width (methods
 ``cgx<bits>-<algorithm>``), and ``--iface-counters`` records, around each method's timed
@@ -340,21 +344,26 @@ class _SchemeCommunicator:
         return getattr(self.comm, name)
 
 
-def _train_job(args: argparse.Namespace) -> dict[str, Any]:
-    import torch
+def _init_group(args: argparse.Namespace) -> None:
+    """The default group on ``args.backend`` (``cgx`` registered first), bounded by the
+    job's timeout."""
     import torch.distributed as dist
-    from torch import nn
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     timeout = datetime.timedelta(seconds=args.timeout)
     if args.backend == "cgx":
-        from .. import torch as cgx_torch  # registers the "cgx" backend
+        from .. import torch as _cgx_torch  # noqa: F401  (registers the "cgx" backend)
 
-        dist.init_process_group("cgx", init_method="env://", timeout=timeout)
-    else:
-        dist.init_process_group("gloo", init_method="env://", timeout=timeout)
+    dist.init_process_group(args.backend, init_method="env://", timeout=timeout)
+
+
+def _mlp_and_data(args: argparse.Namespace, rank: int) -> tuple[Any, Any, list, tuple]:
+    """The benchmark's MLP (same seed on every rank), its loss, each step's batch of this
+    rank (a teacher network labels random inputs) and the held-out batch.
+
+    DDP and FSDP jobs build the very same model and data, so their losses compare.
+    """
+    import torch
+    from torch import nn
 
     def mlp(seed: int) -> nn.Module:
         torch.manual_seed(seed)
@@ -380,8 +389,23 @@ def _train_job(args: argparse.Namespace) -> dict[str, Any]:
             y = teacher(x).argmax(dim=1)
         return x, y
 
+    data = [batch(10_000 * (rank + 1) + s, args.batch) for s in range(args.warmup + args.steps)]
+    return model, nn.CrossEntropyLoss(), data, batch(999_999, 2048)
+
+
+def _train_job(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    _init_group(args)
+    model, loss_fn, data, (xe, ye) = _mlp_and_data(args, rank)
     ddp = DDP(model)
     if args.backend == "cgx":
+        from .. import torch as cgx_torch
+
         communicator = None
         if args.algorithm != "auto":
             pinned = {"flat": "sra", "hierarchical": "hierarchical"}[args.algorithm]
@@ -394,9 +418,7 @@ def _train_job(args: argparse.Namespace) -> dict[str, Any]:
         )
         ddp.register_comm_hook(state, cgx_torch.cgx_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
-    loss_fn = nn.CrossEntropyLoss()
     nparams = sum(p.numel() for p in model.parameters())
-    data = [batch(10_000 * (rank + 1) + s, args.batch) for s in range(args.warmup + args.steps)]
     times: list[float] = []
     phases: list[tuple[float, float, float]] = []  # forward, backward (+ waiting), optimizer
     losses: list[float] = []
@@ -428,7 +450,6 @@ def _train_job(args: argparse.Namespace) -> dict[str, Any]:
         )
     tx = _tx_bytes() - tx_start if tx_start >= 0 else -1
     iface = _iface_delta(_iface_bytes(), iface_start)
-    xe, ye = batch(999_999, 2048)
     with torch.no_grad():
         eval_loss = float(loss_fn(model(xe), ye))
         digest = float(sum(p.double().sum() for p in model.parameters()))
@@ -454,7 +475,102 @@ def _train_job(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _fsdp_job(args: argparse.Namespace) -> dict[str, Any]:
+    """FSDP2 (``fully_shard`` on a CPU device mesh of the world group) on the DDP job's MLP
+    and data: per step, the parameters are all-gathered (exact on either backend) and the
+    gradients reduce-scattered (on cgx with compression on, quantized at ``--bits``).
+
+    Each Linear is its own FSDP unit, gathered just before it runs, as FSDP2 is used.
+    Records the step times, rank 0's loss curve, the held-out loss of the trained model,
+    the shaped device's bytes per timed step and, on cgx, the communicator's own
+    bytes and collectives per timed step.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if args.backend == "cgx":
+        # Through the environment, read when each collective starts: it reaches whatever
+        # group the device mesh uses (a cgx group made for the mesh gets no pg_options).
+        os.environ["CGX_COMPRESSION_QUANTIZATION_BITS"] = str(args.bits)
+        os.environ["CGX_COMPRESSION_BUCKET_SIZE"] = str(args.bucket_size)
+    _init_group(args)
+    model, loss_fn, data, (xe, ye) = _mlp_and_data(args, rank)
+    nparams = sum(p.numel() for p in model.parameters())
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    comm = None
+    if args.backend == "cgx":
+        from .. import torch as cgx_torch
+
+        comm = cgx_torch.get_communicator(mesh.get_group())
+    times: list[float] = []
+    losses: list[float] = []
+    tx_start = 0
+    stats_start = None
+    for step, (x, y) in enumerate(data):
+        if step == args.warmup:
+            tx_start = _tx_bytes()
+            stats_start = comm.stats if comm is not None else None
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()  # the gradients' reduce-scatter completes here
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+        _progress(rank, phase="fsdp", backend=args.backend, bits=args.bits, step=step + 1,
+                  of=len(data))  # fmt: skip
+    tx = _tx_bytes() - tx_start if tx_start >= 0 else -1
+    record: dict[str, Any] = {}
+    if comm is not None and stats_start is not None:
+        end = comm.stats
+        record["cgx_bytes_sent_per_step"] = (end.bytes_sent - stats_start.bytes_sent) / args.steps
+        record["cgx_collectives_per_step"] = {
+            name: (n - stats_start.by_collective.get(name, 0)) / args.steps
+            for name, n in end.by_collective.items()
+            if n != stats_start.by_collective.get(name, 0)
+        }
+    with torch.no_grad():  # every rank evaluates (FSDP gathers the parameters)
+        eval_loss = float(loss_fn(model(xe), ye))
+    dist.destroy_process_group()
+    return {
+        "rank": rank,
+        "world_size": world,
+        "backend": args.backend,
+        "bits": args.bits if args.backend == "cgx" else 32,
+        "params": nparams,
+        "step_times": times[args.warmup :],
+        "losses": losses,
+        "eval_loss": eval_loss,
+        "tx_bytes_per_step": tx / args.steps if tx >= 0 else None,
+        **record,
+    }
+
+
 # ----------------------------------------------------------------------------- main
+
+
+#: Options of the training jobs (DDP and FSDP train the same model on the same data).
+_MODEL_ARGS: list[tuple[str, int | float]] = [
+    ("--bucket-size", 1024),
+    ("--steps", 20),
+    ("--warmup", 3),
+    ("--batch", 8),
+    ("--input", 1024),
+    ("--hidden", 3072),
+    ("--layers", 3),
+    ("--classes", 10),
+    ("--lr", 0.02),
+]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -475,22 +591,22 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--backend", choices=["gloo", "cgx"], required=True)
     tr.add_argument("--bits", type=int, default=4)
     tr.add_argument("--algorithm", choices=["auto", "flat", "hierarchical"], default="auto")
-    tr.add_argument("--bucket-size", type=int, default=1024)
-    tr.add_argument("--steps", type=int, default=20)
-    tr.add_argument("--warmup", type=int, default=3)
-    tr.add_argument("--batch", type=int, default=8)
-    tr.add_argument("--input", type=int, default=1024)
-    tr.add_argument("--hidden", type=int, default=3072)
-    tr.add_argument("--layers", type=int, default=3)
-    tr.add_argument("--classes", type=int, default=10)
-    tr.add_argument("--lr", type=float, default=0.02)
-    for p in (ar, tr):
+    for name, default in _MODEL_ARGS:
+        tr.add_argument(name, type=type(default), default=default)
+    fs = sub.add_parser("fsdp")
+    fs.add_argument("--backend", choices=["gloo", "cgx"], required=True)
+    fs.add_argument("--bits", type=int, default=4, help="cgx: the reduce-scatter's bits")
+    for name, default in _MODEL_ARGS:
+        fs.add_argument(name, type=type(default), default=default)
+    for p in (ar, tr, fs):
         p.add_argument("--out", required=True, help="path prefix of the per-rank JSON")
         p.add_argument("--timeout", type=float, default=300.0, help="seconds any wait may take")
     args = parser.parse_args(argv)
     rank = _env_int("RANK")
     if args.job == "allreduce":
         record = asyncio.run(_allreduce_job(args))
+    elif args.job == "fsdp":
+        record = _fsdp_job(args)
     else:
         record = _train_job(args)
     _write(args.out, rank, record)
