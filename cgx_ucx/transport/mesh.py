@@ -55,7 +55,7 @@ from . import ucx as _ucx
 from .connection import MAX_WORLD_SIZE, MeshSetup
 from .frames import FRAME_NBYTES, AbortCode, Frame, Kind
 from .handshake import MAX_SLOTS, PHASE_HELLO, Auth, PairKeys, structured_tag
-from .progress import post_recv, post_send
+from .progress import await_or_wake, post_recv, post_send
 from .rendezvous import default_host as _default_host  # noqa: F401 (tests import it here)
 from .rendezvous import store_host as store_host
 from .status import STATUS_WAIT_S, Activity, PeerStatus
@@ -374,26 +374,20 @@ class Mesh(MeshSetup):
         _raise_done(extra)
         errors = _ucx.errors()
         try:
-            task = asyncio.ensure_future(post())
+            task = post()
+            if not asyncio.isfuture(task):
+                task = asyncio.ensure_future(task)  # ucxx's own coroutine (no driver)
         except errors as exc:
             return self._op_failed(rank, what, exc)
         if not task.done():
-            waiters = {task, self.failed_future, *extra}
-            try:
-                await asyncio.wait(
-                    waiters,
-                    timeout=self.config.timeout if deadline else None,
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
-            except asyncio.CancelledError:
-                task.cancel()
-                raise
-        if task.done():
+            timeout = self.config.timeout if deadline else None
+            if not await await_or_wake(task, (self.failed_future, *extra), timeout):
+                task = None
+        if task is not None:
             try:
                 return task.result()
             except errors as exc:
                 return self._op_failed(rank, what, exc)
-        task.cancel()
         _raise_done(extra)
         if self.failed_future.done():
             self.check()

@@ -36,6 +36,7 @@ __all__ = [
     "SAFETY_PERIOD_S",
     "SPIN_S",
     "Progress",
+    "await_or_wake",
     "driver",
     "install",
     "post_recv",
@@ -193,6 +194,46 @@ class Progress:
     def _safety(self) -> None:
         self._timer = None
         self._run()
+
+
+async def await_or_wake(
+    fut: asyncio.Future, others: tuple[asyncio.Future, ...], timeout: float | None
+) -> bool:
+    """Await ``fut`` itself until it is done (True), or until one of ``others`` completes
+    or ``timeout`` passes (False; ``fut`` is then cancelled, as it would be on a deadline).
+
+    Cheaper than ``asyncio.wait`` on the same set, which this replaces on every UCX
+    operation of the mesh: no waiter future (one loop hop less per completion), no set, no
+    coroutine scan; the wake-up cancels the awaited future and is told apart from a
+    cancellation of the caller by a flag."""
+    woken = False
+
+    def wake(_: Any = None) -> None:
+        nonlocal woken
+        if not fut.done():
+            woken = True
+            fut.cancel()
+
+    hooked = [f for f in others if not f.done()]
+    if len(hooked) < len(others):
+        wake()
+        return False
+    for f in hooked:
+        f.add_done_callback(wake)
+    timer = fut.get_loop().call_later(timeout, wake) if timeout is not None else None
+    try:
+        await fut
+    except asyncio.CancelledError:
+        if not woken:
+            raise
+    except Exception:  # the operation's own error: the caller reads it from fut
+        pass
+    finally:
+        for f in hooked:
+            f.remove_done_callback(wake)
+        if timer is not None:
+            timer.cancel()
+    return not woken
 
 
 def _settle(request: Any, fut: asyncio.Future) -> None:
