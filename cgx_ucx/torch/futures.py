@@ -11,18 +11,25 @@ The pool has several threads so that a callback that blocks on a second collecti
 does not stop that collective's own completion (gloo runs callbacks on its worker
 pool for the same reason). Threads start lazily and are daemons; a process never
 waits for them at exit.
+
+A thread blocked in ``Work.wait()`` (every synchronous ``dist.all_reduce``) needs no
+completion thread: :meth:`TorchBridge.wait` waits on the engine future itself and
+completes the torch future on the waiting thread, which is off the loop as well. That
+saves one thread hand-off on the latency path of every synchronous call; the loop
+then does not even enqueue the completion.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["completion_executor", "to_torch_future"]
+__all__ = ["TorchBridge", "completion_executor", "to_torch_future"]
 
 T = TypeVar("T")
 
@@ -67,6 +74,64 @@ def _complete(
             done(exc)
 
 
+class TorchBridge:
+    """One engine future bridged to one torch future (:attr:`future`), completed exactly
+    once: by a completion thread, or by the thread that waits in :meth:`wait`."""
+
+    def __init__(
+        self,
+        src: concurrent.futures.Future[Any],
+        finish: Callable[[Any], Any],
+        done: Callable[[BaseException | None], None] | None = None,
+    ) -> None:
+        self.src = src
+        self.future: torch.futures.Future[Any] = torch.futures.Future()
+        self._finish = finish
+        self._done = done
+        self._lock = threading.Lock()
+        self._claimed = False
+        self._waiters = 0
+        src.add_done_callback(self._on_done)
+
+    def _on_done(self, _: concurrent.futures.Future[Any]) -> None:
+        # On the engine's loop thread: never run user code here.
+        with self._lock:
+            if self._claimed or self._waiters:
+                return  # a waiter completes it (see wait)
+        try:
+            completion_executor().submit(self.complete)
+        except RuntimeError:  # pool shut down at interpreter exit: complete inline
+            self.complete()
+
+    def complete(self) -> None:
+        """Complete the torch future from the finished engine future (once)."""
+        with self._lock:
+            if self._claimed:
+                return
+            self._claimed = True
+        _complete(self.src, self.future, self._finish, self._done)
+
+    def wait(self, timeout: float | None) -> None:
+        """Wait at most ``timeout`` s for the engine future; when it finished, complete
+        the torch future here unless another thread already does. Returns without
+        saying: the caller checks its own completion signal."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            self._waiters += 1
+        try:
+            if end is None or end > time.monotonic():
+                self.src.exception(None if end is None else max(end - time.monotonic(), 0.0))
+        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+            pass
+        finally:
+            with self._lock:
+                self._waiters -= 1
+        # _on_done skipped the pool only while we were registered, and it runs after
+        # src is done: so if src is done now, completing it is (at least) up to us.
+        if self.src.done():
+            self.complete()
+
+
 def to_torch_future(
     src: concurrent.futures.Future[Any],
     finish: Callable[[Any], T],
@@ -81,14 +146,4 @@ def to_torch_future(
     subclass from the engine stays one). ``done(exc)`` runs after the torch future is
     completed, with the exception or None.
     """
-    dst: torch.futures.Future[T] = torch.futures.Future()
-    pool = completion_executor()
-
-    def _on_done(f: concurrent.futures.Future[Any]) -> None:
-        try:
-            pool.submit(_complete, f, dst, finish, done)
-        except RuntimeError:  # pool shut down at interpreter exit: complete inline
-            _complete(f, dst, finish, done)
-
-    src.add_done_callback(_on_done)
-    return dst
+    return TorchBridge(src, finish, done).future

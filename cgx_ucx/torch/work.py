@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CGXTimeoutError
-from .futures import to_torch_future
+from .futures import TorchBridge
 
 __all__ = ["CGXWork"]
 
@@ -56,6 +57,7 @@ class CGXWork(_TorchWork):
         self._timeout = timeout
         self._done = threading.Event()
         self._exception: BaseException | None = None
+        self._bridge: TorchBridge | None = None
 
     @classmethod
     def from_future(
@@ -67,11 +69,13 @@ class CGXWork(_TorchWork):
     ) -> CGXWork:
         """The work of ``what`` completed by the engine future ``source``.
 
-        ``finish(result)`` runs on a completion thread and returns the work's result
-        (the output tensors); ``wait()`` waits at most ``timeout`` seconds by default.
+        ``finish(result)`` runs on a completion thread, or on the thread blocked in
+        :meth:`wait`, and returns the work's result (the output tensors); ``wait()``
+        waits at most ``timeout`` seconds by default.
         """
         work = cls(what, timeout)
-        work.attach(to_torch_future(source, finish, done=work.mark_done))
+        work._bridge = TorchBridge(source, finish, done=work.mark_done)
+        work.attach(work._bridge.future)
         return work
 
     def attach(self, future: torch.futures.Future[Any]) -> None:
@@ -88,7 +92,10 @@ class CGXWork(_TorchWork):
     def wait(self, timeout: Any = None) -> bool:
         """Block until done; raise the collective's error or CGXTimeoutError."""
         limit = _seconds(timeout) or self._timeout
-        if not self._done.wait(limit):
+        end = time.monotonic() + limit
+        if self._bridge is not None and not self._done.is_set():
+            self._bridge.wait(limit)  # completes here: no completion-thread hop
+        if not self._done.wait(max(end - time.monotonic(), 0.0)):
             raise CGXTimeoutError(
                 f"cgx {self._what} did not complete within {limit:.3g} s (the process "
                 "group's timeout, or the wait's): timeout of a peer that is dead or silent"
