@@ -95,7 +95,6 @@ async def connect(
     copy as fatal; see :mod:`cgx_ucx.transport.mesh`).
     """
     config = config if config is not None else resolve_comm()
-    warm = _start_codec_warm_up()  # in parallel with the rendezvous
     if store is None:
         store, env_rank, env_world = env_store(config.connect_timeout)
         rank = env_rank if rank is None else rank
@@ -105,6 +104,10 @@ async def connect(
     mesh = await Mesh.connect(
         store, int(rank), int(world_size), config, prefix, host, data_error_handling
     )
+    # Only once connected: the compile holds the GIL for most of its time, and during
+    # the rendezvous it delayed this rank's connect steps and failure detection past
+    # their deadlines. Loading cached kernels takes a fraction of a second.
+    warm = _start_codec_warm_up()
     try:
         await _codec_ready(warm, store, mesh, config, prefix)
     except BaseException:
@@ -237,6 +240,10 @@ class Communicator:
             call.fail(early)
         started = time.perf_counter()
         try:
+            if early is not None:
+                # The peer's ABORT for this call came before the call: it says why (a
+                # BYE that followed it would otherwise read as a lost peer).
+                raise early
             self._mesh.check()
             template, state = prepare()
             call.template = template.with_(

@@ -370,8 +370,10 @@ class Mesh(MeshSetup):
         deadline, the loss of any peer and the collective's own abort (``extra``).
         ``deadline=False``: no deadline (a receive posted ahead of need, which its
         caller bounds itself: cgx_ucx.collectives.p2p's any-source receive)."""
-        self.check()
+        # The collective's own abort first: a peer that gave up this call and then closed
+        # sent ABORT before BYE, and the ABORT says why.
         _raise_done(extra)
+        self.check()
         errors = _ucx.errors()
         try:
             task = post()
