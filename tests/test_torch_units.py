@@ -19,8 +19,9 @@ from cgx_ucx.errors import CGXTimeoutError, ConfigError, PeerLostError  # noqa: 
 from cgx_ucx.layout import Layout  # noqa: E402
 from cgx_ucx.torch import BACKEND_NAME, CGXOptions, layer_layout, wire_bytes  # noqa: E402
 from cgx_ucx.torch._convert import as_array  # noqa: E402
-from cgx_ucx.torch.backend import _comm_config, _local_reduce  # noqa: E402
+from cgx_ucx.torch.backend import _comm_config  # noqa: E402
 from cgx_ucx.torch.futures import to_torch_future  # noqa: E402
+from cgx_ucx.torch.ops import _local_reduce  # noqa: E402
 from cgx_ucx.torch.work import CGXWork  # noqa: E402
 
 
