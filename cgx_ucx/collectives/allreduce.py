@@ -8,8 +8,8 @@
   and all reduce in rank order; for small buffers, where the per-message cost dominates.
 
 SRA and ring pipeline by piece (:mod:`.plan`); all three compress per layer as the layout
-says and leave every replica bit-identical. A world of one still quantizes compressed layers once, so
-the result is what N ranks would produce.
+says and leave every replica bit-identical. A world of one still quantizes compressed
+layers once, so the result is what N ranks would produce.
 """
 
 from __future__ import annotations
