@@ -40,9 +40,6 @@ def _missing(op: str, worlds: tuple[int, ...] | None = None) -> Entry:
     return Entry(MISSING_OP, f"missing op: {op} - issue 12", worlds)
 
 
-_P2P = "send/recv/isend/irecv (ProcessGroup.send, .recv)"
-_ANYSOURCE = "recv from any source (ProcessGroup.recv_anysource)"
-_AG_COALESCED = "all_gather_coalesced (ProcessGroup.allgather_coalesced)"
 _GET_FUTURE = _gloo(
     "'get_future is only supported on mpi, nccl and gloo' (name check); test_get_future "
     "passes on cgx with --gloo-gated, the no_sync tests build their model only in "
@@ -54,33 +51,18 @@ _COALESCED = _gloo(
     "only; they pass on cgx with --gloo-gated"
 )
 _MONITORED = _gloo(
-    "monitored_barrier is gloo's own (torch raises 'only implemented for GLOO backend')"
+    "monitored_barrier is gloo's own: torch's dist.monitored_barrier raises "
+    "'only implemented for GLOO backend' for any other backend"
 )
 _TIMEOUT = _gloo(
-    "'Only gloo backend supports timeouts' (name check); with --gloo-gated cgx times out "
-    "as asked but its message lacks the words the test's regex wants (' timeout ')"
+    "'Only gloo backend supports timeouts' (name check); test_barrier_timeout_full_group "
+    "passes on cgx with --gloo-gated"
 )
 
 PARITY: dict[str, Entry] = {
-    # -- missing ops (issue 12): the work list, also in /work/notes/issue12_missing.md
-    "test_all_gather_coalesced_simple": _missing(_AG_COALESCED),
-    "test_all_gather_coalesced_complex": _missing(_AG_COALESCED),
-    "test_all_gather_coalesced_full_group": _missing(_AG_COALESCED),
-    "test_all_gather_coalesced_group": _missing(_AG_COALESCED),
-    "test_all_gather_coalesced_with_empty": _missing(_AG_COALESCED),
-    "test_send_recv": _missing(_P2P),
-    "test_send_recv_autograd_profiler": _missing(_P2P),
-    "test_send_recv_torch_profiler": _missing(_P2P),
-    "test_send_recv_with_tag": _missing(_P2P),
-    "test_send_recv_with_tag_autograd_profiler": _missing(_P2P),
-    "test_send_recv_with_tag_torch_profiler": _missing(_P2P),
-    "test_isend": _missing(_P2P),
-    "test_isend_autograd_profiler": _missing(_P2P),
-    "test_isend_torch_profiler": _missing(_P2P),
-    "test_irecv": _missing(_P2P),
-    "test_send_recv_any_source": _missing(_ANYSOURCE),
-    "test_send_recv_any_source_autograd_profiler": _missing(_ANYSOURCE),
-    "test_send_recv_any_source_torch_profiler": _missing(_ANYSOURCE),
+    # -- missing ops (issue 12): none left. send/recv/isend/irecv, recv from any source and
+    # all_gather_coalesced were listed here (17 tests at world 2) until fc5cc02 implemented
+    # them; they pass at world 2 and 3. Add new ones as _missing("op") entries.
     # -- hard-wired to the name "gloo" in torch's distributed_test.py (skip on cgx)
     "test_all_reduce_coalesced_sum": _COALESCED,
     "test_all_reduce_coalesced_product": _COALESCED,
@@ -101,19 +83,17 @@ PARITY: dict[str, Entry] = {
     "test_get_future": _GET_FUTURE,
     "test_grads_same_across_ranks_with_no_sync": _NO_SYNC,
     "test_batch_isend_irecv_gloo": _gloo(
-        "'GLOO Batch Send Recv CPU' (name check); with --gloo-gated: missing op "
-        "batch_isend_irecv (send/recv) - issue 12"
+        "'GLOO Batch Send Recv CPU' (name check); passes on cgx with --gloo-gated"
     ),
     "test_batch_isend_irecv_gloo_tags": _gloo(
-        "'GLOO Batch Send Recv CPU' (name check); with --gloo-gated: missing op "
-        "batch_isend_irecv (send/recv) - issue 12"
+        "'GLOO Batch Send Recv CPU' (name check); passes on cgx with --gloo-gated"
     ),
     "test_scatter_object_list": _gloo(
         "require_backend_is_available({'gloo'}); passes on cgx with --gloo-gated"
     ),
     "test_sparse_all_reduce_sum": _gloo(
-        "'Only Gloo backend supports sparse all reduce' (name check); with --gloo-gated: "
-        "missing op sparse all_reduce - issue 12"
+        "'Only Gloo backend supports sparse all reduce' (name check); cgx refuses sparse "
+        "tensors with a ConfigError that names .to_dense() and gloo (dense tensors only)"
     ),
     "test_monitored_barrier_gloo": _MONITORED,
     "test_monitored_barrier_gloo_subgroup": _MONITORED,
