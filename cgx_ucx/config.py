@@ -119,9 +119,9 @@ class CommConfig:
 
     ``timeout`` bounds every single wait (seconds): a peer that dies or goes
     silent is reported as :class:`~cgx_ucx.errors.PeerLostError` within it.
-    ``progress_mode`` is UCXX's ("blocking" measured best on 2 cores here: low
-    latency, no idle CPU; "thread" had millisecond tails). ``ucx_env`` holds UCX
-    variables applied only where the user has not set them.
+    ``progress_mode`` is UCXX's ("blocking", the default, drives UCX from the caller's
+    event loop: low latency and no idle CPU; "thread" adds threads and longer tails).
+    ``ucx_env`` holds UCX variables applied only where the user has not set them.
     """
 
     timeout: float = 300.0

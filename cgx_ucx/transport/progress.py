@@ -1,13 +1,13 @@
 """Event-driven UCX progress for the asyncio loop, without busy waiting.
 
-Measured here (ucxx 0.52, 2 cores): in ucxx's "blocking" and "polling" modes every
-pending request is awaited by ``wait_yield`` (a ``sleep(0)`` loop), so one outstanding
-receive keeps the loop at 80-100% CPU; worse, ucxx's blocking driver arms the worker
-once and never again, after which the epoll descriptor stays readable and the loop spins
-forever (99% CPU measured while idle after the first message). A persistent control
-receive per peer (needed for liveness and ABORT frames) would therefore burn a core for
-the whole training run. "thread" mode with Python futures does not spin, but costs a
-progress thread, a notifier thread, and ~280 us per round trip against ~65 us here.
+Why (ucxx 0.52): in ucxx's "blocking" and "polling" modes every pending request is
+awaited by ``wait_yield`` (a ``sleep(0)`` loop), so one outstanding receive keeps the
+loop busy; worse, ucxx's blocking driver arms the worker once and never again, after
+which the epoll descriptor stays readable and the loop spins forever, even while idle.
+A persistent control receive per peer (needed for liveness and ABORT frames) would
+therefore burn a core for the whole training run. "thread" mode with Python futures does
+not spin, but costs a progress thread, a notifier thread and several times the round-trip
+latency of this driver.
 
 :class:`Progress` replaces ucxx's driver for "blocking" mode on one loop. It follows
 UCX's documented blocking scheme: when the worker's event descriptor is readable (or a
@@ -47,20 +47,20 @@ log = logging.getLogger("cgx_ucx.transport")
 
 #: Progress at least this often even without an event, while idle: ucxx's own requests
 #: (listener hand-shakes of incoming connections, ``create_endpoint``) are not tracked
-#: here and may need progress to go out. 50 ms: negligible CPU (~0.3% measured idle).
+#: here and may need progress to go out. 50 ms: negligible CPU while idle.
 SAFETY_PERIOD_S = 0.05
 #: While requests are pending, UCX does not signal every event that matters (a send
-#: queued for lack of resources, a rendezvous step): measured, a 64 MiB 4-bit allreduce
-#: stalled on the 50 ms timer 10-20 times. So the driver also polls while requests are
+#: queued for lack of resources, a rendezvous step): without polling, a large compressed
+#: allreduce stalled on the 50 ms timer many times. So the driver also polls while requests are
 #: pending, starting at this period after any completion and doubling up to
-#: SAFETY_PERIOD_S while nothing completes (a wait on a slow peer costs ~12 wake-ups,
-#: then 20 per second).
+#: SAFETY_PERIOD_S while nothing completes (a wait on a slow peer costs a dozen
+#: wake-ups, then 20 per second).
 MIN_POLL_S = 20e-6
 #: After a request completed, keep progressing on every loop iteration (no sleep) for
 #: this long while others are pending: shared-memory transfers with error handling go
 #: through fragmented copy-in/copy-out, which advances only when both sides progress
-#: and raises no event when FIFO space frees up; sleeping between fragments made a
-#: 64 MiB allreduce 5-10x slower and bimodal. 2 ms covers the gaps between fragments
+#: and raises no event when FIFO space frees up; sleeping between fragments made large
+#: allreduces several times slower and bimodal. 2 ms covers the gaps between fragments
 #: and between pipelined pieces; past it, the exponential back-off takes over.
 SPIN_S = 0.002
 #: The period while a communicator is connecting (:meth:`Progress.boost`): connection

@@ -5,11 +5,12 @@ this process shares it; :func:`acquire` starts it on first use and :func:`releas
 shuts it down when the last communicator closes, so a later communicator starts from a
 clean worker (and nothing of ours keeps running in between).
 
-Defaults, each applied only where the user has not set the variable (measured on the
-2-core development machine with ucxx 0.52 / UCX 1.21, issue 3):
+Defaults, each applied only where the user has not set the variable (ucxx 0.52 / UCX
+1.21; the measurements are in the README and benchmarks/results/):
 
-- ``UCX_TCP_TX_SEG_SIZE=256K``, ``UCX_TCP_RX_SEG_SIZE=1M``: TCP went from 0.65 to 2.05 GB/s
-  at 64 MiB. Only TCP links use them (loopback under ``UCX_TLS=tcp``, and between hosts).
+- ``UCX_TCP_TX_SEG_SIZE=256K``, ``UCX_TCP_RX_SEG_SIZE=1M``: several times UCX's default TCP
+  throughput for large messages. Only TCP links use them (loopback under
+  ``UCX_TLS=tcp``, and between hosts).
 - ``UCX_MM_ERROR_HANDLING=y``: shared-memory transports (sysv, posix) advertise error
   handling (peer liveness by keepalive), so the data endpoints, which keep error
   handling on, still get shared memory on one host instead of TCP loopback (see
@@ -62,9 +63,8 @@ UCX_DEFAULTS: dict[str, str] = {
 #: Set too when UCX_TLS names only TCP (the link emulator, TCP-only clusters): UCX's
 #: rendezvous protocol sends its handshake (RTS/ATS) on the same TCP stream as the bulk
 #: data, so with traffic both ways each handshake queued behind a whole piece going
-#: the other way: on a 1 Gbit/s link an allgather of 32 MiB each way took 557 ms against
-#: 282 ms one way; eager-only (UCX_RNDV_THRESH=inf) took 287 ms, and the 64 MiB
-#: uncompressed allreduce went from 675 to 569 ms. Not applied where shared memory,
+#: the other way, which halved two-way throughput (eager-only sends restore it; the
+#: link benchmark shows it). Not applied where shared memory,
 #: CMA, cuda_ipc or RDMA may be used: those need rendezvous for zero-copy.
 TCP_ONLY_DEFAULTS: dict[str, str] = {"UCX_RNDV_THRESH": "inf"}
 #: UCX_TLS entries that are TCP (or need no data path of their own).
