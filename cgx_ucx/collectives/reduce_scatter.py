@@ -31,7 +31,6 @@ from ..layout import Layout
 from ..transport.frames import Coll, Frame
 from .allreduce import prepare_allreduce
 from .call import Call
-from .piece_codec import decode_add_piece
 from .reduction import AllreduceSpec
 from .sra import Sra
 from .staging import as_flat, synchronize
@@ -102,19 +101,7 @@ class ScatterReduce(Sra):
         ok = await asyncio.gather(*self.sig_futs.values())
         if not all(ok):
             return
-        spec, own = self.spec, self.own
         acc = self.accumulator()
-        base, ordered = own.start, sorted(self.peers)
-        for k, piece in enumerate(own.pieces):
-            a = acc[piece.start - base : piece.stop - base]
-            for p in ordered:
-                buf = await self.scatter.fut(p, k)
-                if spec.raw:
-                    self.add_raw(a, buf, piece)
-                else:
-                    await self.codec.run(
-                        piece.numel, decode_add_piece, buf, piece, acc, base, self.dtype
-                    )
-            if spec.avg:
-                self.xp.divide(a, self.n_world, out=a)
+        for k, piece in enumerate(self.own.pieces):
+            await self.reduce_piece(acc, k, piece)
         self.out[...] = acc

@@ -164,19 +164,8 @@ class Sra(PieceSteps):
             self.gather_tasks.append(asyncio.ensure_future(self.gather_recv(p)))
         acc = self.accumulator()
         base, count = own.start, len(own.pieces)
-        ordered = sorted(self.peers)
         for k, piece in enumerate(own.pieces):
-            a = acc[piece.start - base : piece.stop - base]
-            for p in ordered:
-                buf = await self.scatter.fut(p, k)
-                if spec.raw:
-                    self.add_raw(a, buf, piece)
-                else:
-                    await self.codec.run(
-                        piece.numel, decode_add_piece, buf, piece, acc, base, self.dtype
-                    )
-            if spec.avg:
-                self.xp.divide(a, self.n_world, out=a)
+            a = await self.reduce_piece(acc, k, piece)
             if spec.raw:
                 payload = self.raw_result(piece, a, spec.inplace)
             else:
@@ -186,6 +175,24 @@ class Sra(PieceSteps):
                 self.gather_tasks.append(
                     asyncio.ensure_future(call.send(p, PH_DATA, k, payload, count))
                 )
+
+    async def reduce_piece(self, acc: Any, k: int, piece: Any) -> Any:
+        """Add every peer's piece ``k`` of our chunk into ``acc`` in rank order (so the
+        result does not depend on arrival order), average if asked; returns the piece's
+        slice of ``acc``."""
+        base = self.own.start
+        a = acc[piece.start - base : piece.stop - base]
+        for p in sorted(self.peers):
+            buf = await self.scatter.fut(p, k)
+            if self.spec.raw:
+                self.add_raw(a, buf, piece)
+            else:
+                await self.codec.run(
+                    piece.numel, decode_add_piece, buf, piece, acc, base, self.dtype
+                )
+        if self.spec.avg:
+            self.xp.divide(a, self.n_world, out=a)
+        return a
 
     async def gather_recv(self, p: int) -> None:
         """Peer ``p``'s reduced chunk, piece by piece, into the caller's buffer."""
