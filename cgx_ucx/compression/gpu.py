@@ -29,6 +29,7 @@ import numpy as np
 
 from ..arrays import BFLOAT16
 from ..errors import CodecError
+from . import nvrtc
 from .codec import HEADER_NBYTES, CodecHeader
 from .reference import seed_key
 
@@ -205,26 +206,14 @@ def compile_kernels(arch: str, source: str | None = None) -> bytes:
 
     Needs only the NVRTC library (no GPU). Raises CodecError with NVRTC's log on failure.
     """
-    from cupy_backends.cuda.libs import nvrtc
-
     src = kernel_source() if source is None else source
-    prog = nvrtc.createProgram(src, SOURCE, [], [])
-    try:
-        try:
-            nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", *NVRTC_OPTIONS])
-        except nvrtc.NVRTCError as exc:
-            log = nvrtc.getProgramLog(prog)
-            raise CodecError(f"NVRTC cannot build {SOURCE} for {arch}:\n{log}") from exc
-        return bytes(nvrtc.getCUBIN(prog) if arch.startswith("sm_") else nvrtc.getPTX(prog))
-    finally:
-        nvrtc.destroyProgram(prog)
+    image, _log = nvrtc.compile_program(src, SOURCE, [f"--gpu-architecture={arch}", *NVRTC_OPTIONS])
+    return image
 
 
 def target_arch(compute_capability: int) -> str:
     """A cubin when NVRTC knows the GPU, else PTX of the newest older arch (driver JIT)."""
-    from cupy_backends.cuda.libs import nvrtc
-
-    supported = [int(a) for a in nvrtc.getSupportedArchs()]
+    supported = nvrtc.supported_archs()
     if compute_capability in supported:
         return f"sm_{compute_capability}"
     older = [a for a in supported if a <= compute_capability]
@@ -239,10 +228,8 @@ def _cache_dir() -> Path:
 
 def _image(arch: str) -> bytes:
     """The compiled kernels for ``arch``, from a disk cache keyed by source, options, NVRTC."""
-    from cupy_backends.cuda.libs import nvrtc
-
     src = kernel_source()
-    key = hashlib.sha256(repr((src, NVRTC_OPTIONS, arch, nvrtc.getVersion())).encode()).hexdigest()[
+    key = hashlib.sha256(repr((src, NVRTC_OPTIONS, arch, nvrtc.version())).encode()).hexdigest()[
         :24
     ]
     path = _cache_dir() / f"{Path(SOURCE).stem}-{arch}-{key}.bin"
