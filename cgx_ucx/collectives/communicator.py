@@ -95,8 +95,10 @@ async def connect(
     copy as fatal; see :mod:`cgx_ucx.transport.mesh`).
     """
     config = config if config is not None else resolve_comm()
+    owned_store = None
     if store is None:
         store, env_rank, env_world = env_store(config.connect_timeout)
+        owned_store = store
         rank = env_rank if rank is None else rank
         world_size = env_world if world_size is None else world_size
     if rank is None or world_size is None:
@@ -115,7 +117,10 @@ async def connect(
         raise
     _share_codec_threads(len(mesh.local_ranks))
     log_configuration(config, None, rank=mesh.rank, world_size=mesh.world_size)
-    return Communicator(mesh, config)
+    # The env:// store lives as long as the communicator: on rank 0 it is the TCPStore
+    # server, and dropping it when connect returned cut off a peer still polling the
+    # codec-ready counter (that peer failed, then so did this rank).
+    return Communicator(mesh, config, keep_alive=owned_store)
 
 
 class Communicator:
@@ -126,8 +131,9 @@ class Communicator:
     from here on and closes it in :meth:`close`.
     """
 
-    def __init__(self, transport: Transport, config: CommConfig) -> None:
+    def __init__(self, transport: Transport, config: CommConfig, keep_alive: Any = None) -> None:
         self._mesh = transport
+        self._keep_alive = keep_alive  # e.g. the env:// TCPStore this rank may be serving
         self._config = config
         self._seq = 1  # 0 is the connection handshake
         self._calls: dict[int, Call] = {}
@@ -193,6 +199,7 @@ class Communicator:
         await self._mesh.close()
         self._codec.close()
         self._pool.clear()
+        self._keep_alive = None
 
     async def __aenter__(self) -> Communicator:
         return self
