@@ -406,13 +406,17 @@ def test_unreachable_rank_is_named_by_every_rank_within_two_seconds():
             assert elapsed < 10.0 + 1.0, (i, rank, elapsed)
 
 
-#: Long enough for 4 spawned ranks to start UCX on a loaded machine.
-KILL_CONNECT_TIMEOUT = 30.0
+#: Long enough for 4 ranks to connect on a loaded 2-core machine (a connect takes ~1 s;
+#: the ranks are started before the clock runs); the survivors wait this long.
+KILL_CONNECT_TIMEOUT = 15.0
+#: What a survivor may overrun connect_timeout by: its error path (abort, close) on a
+#: machine with more runnable processes than cores.
+OVERRUN_S = 2.0
 
 
 async def killed_at(ctx, victim, when):
     """``victim`` SIGKILLs itself during connect or while idle; the others must raise a
-    typed error naming it, within the connect timeout (+1 s) or at their next call."""
+    typed error naming it, within the connect timeout (+OVERRUN_S) or at their next call."""
     from cgx_ucx.errors import CGXError
 
     cfg = CommConfig(timeout=20.0, connect_timeout=KILL_CONNECT_TIMEOUT)
@@ -462,4 +466,4 @@ def test_rank_killed_at_connect_or_idle(world, when):
             assert kind == "PeerLostError" and text.startswith(f"peer {victim}:"), r.value
             assert elapsed < 5.0, r.value
         else:
-            assert elapsed < KILL_CONNECT_TIMEOUT + 1.0, r.value
+            assert elapsed < KILL_CONNECT_TIMEOUT + OVERRUN_S, r.value

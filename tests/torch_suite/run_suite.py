@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     p_run = sub.add_parser("run", help="run the selection on one backend and world size")
     p_run.add_argument("--backend", default="cgx", choices=["cgx", "gloo"])
     p_run.add_argument("--world-size", type=int, default=2)
-    p_run.add_argument("--subset", default="ci", choices=["ci", "full"])
+    p_run.add_argument("--subset", default="ci", choices=["ci", "ci3", "full"])
     p_run.add_argument("-k", action="append", help="only tests whose name contains this")
     p_run.add_argument("--bits", type=int, help="CGX_COMPRESSION_QUANTIZATION_BITS for cgx")
     p_run.add_argument("--json", help="write the report here")
