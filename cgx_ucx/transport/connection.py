@@ -101,12 +101,17 @@ class MeshSetup:
             mesh = cls(rank, world_size, config, token, data_error_handling, comm)
             await mesh._start(rdzv, host or _default_host(store))
         except BaseException as exc:
+            first = None
             if isinstance(exc, Exception) and not isinstance(exc, PeerFailedError):
-                await rdzv.publish_failure(with_rank(rank, str(exc)))
+                first = await rdzv.failed_elsewhere()
+                if first is None:
+                    await rdzv.publish_failure(with_rank(rank, str(exc)))
             await rdzv.stop_watch()
             rdzv.close(wait=False)
             if mesh is not None:
                 await mesh.abort()
+            if first is not None:
+                raise first from exc
             if isinstance(exc, CGXError) and not str(exc).startswith(f"rank {rank}: "):
                 raise type(exc)(with_rank(rank, str(exc))) from exc
             raise

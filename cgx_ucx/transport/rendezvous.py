@@ -409,6 +409,27 @@ class Rendezvous:
             waiters = {fut} if watch is None else {fut, watch}
             await asyncio.wait(waiters, timeout=left, return_when=asyncio.FIRST_COMPLETED)
 
+    async def failed_elsewhere(self) -> PeerFailedError | None:
+        """The failure another rank published already, if any (one bounded store check).
+
+        A rank whose own step failed asks this before blaming the peer in front of it:
+        the first failure often makes the next one (a rank that cannot dial the culprit
+        publishes, then aborts its half-made connections, which cancels the culprit's own
+        handshake with it), and every rank should name the first cause."""
+        if self.generation < 0 or not callable(getattr(self.store, "check", None)):
+            return None
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(
+                loop.run_in_executor(self._pool, self._raise_if_failed, self._key(FAILED_KEY)),
+                FAILURE_PUBLISH_S,
+            )
+        except PeerFailedError as exc:
+            return exc
+        except Exception:  # the store is gone or slow: report our own failure
+            return None
+        return None
+
     async def publish_failure(self, reason: str) -> None:
         """Best effort: tell the other ranks this connect failed (bounded by
         FAILURE_PUBLISH_S; on the store thread, so no thread outlives ``connect``)."""
