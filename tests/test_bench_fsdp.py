@@ -105,6 +105,7 @@ def _namespaces() -> set[str]:
 
 @needs_netns
 @pytest.mark.netns
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_smallest_fsdp_case_end_to_end(tmp_path: Path) -> None:
     """2 ranks at 1 Gbit/s, a narrow MLP, a few FSDP2 steps on gloo, cgx4 and cgx32: no

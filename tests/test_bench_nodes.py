@@ -86,6 +86,7 @@ def _namespaces() -> set[str]:
 
 @needs_netns
 @pytest.mark.netns
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_smallest_case_end_to_end(tmp_path: Path) -> None:
     """2 nodes x 2 ranks at 1 Gbit/s, 1 MiB, 4 bits: every method's cross-node bytes per node

@@ -393,6 +393,7 @@ def test_benchmark_refuses_traffic_that_did_not_cross_the_link() -> None:
 
 @needs_netns
 @pytest.mark.netns
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_link_benchmark_end_to_end(tmp_path: Path) -> None:
     from cgx_ucx.bench.link import main
