@@ -89,6 +89,7 @@ class MeshSetup:
             raise RendezvousError(f"world_size must be in 1..{MAX_WORLD_SIZE}, got {world_size}")
         if not 0 <= rank < world_size:
             raise RendezvousError(f"rank {rank} outside 0..{world_size - 1}")
+        _progress.spin_mode()  # a bad CGX_UCX_SPIN fails here, before the rendezvous
         deadline = time.monotonic() + config.connect_timeout
         rdzv = Rendezvous(store, rank, world_size, prefix, deadline)
         mesh: Mesh | None = None
