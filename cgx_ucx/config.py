@@ -44,6 +44,7 @@ __all__ = [
     "NO_COMPRESSION_BITS",
     "CommConfig",
     "CompressionConfig",
+    "compression_from_env",
     "describe_configuration",
     "log_configuration",
     "resolve_comm",
@@ -217,6 +218,24 @@ def resolve_compression(
         "stochastic": None if stochastic is None else bool(stochastic),
     }
     return _merge(CompressionConfig, base or CompressionConfig(), env_values, kwargs)
+
+
+_COMPRESSION_ENV = (ENV_BITS, ENV_BUCKET_SIZE, ENV_MINIMAL_SIZE, ENV_STOCHASTIC)
+_from_env: tuple[tuple[str | None, ...], CompressionConfig] | None = None
+
+
+def compression_from_env() -> CompressionConfig:
+    """``resolve_compression()`` of the current environment, re-resolved only when one of
+    the four CGX_COMPRESSION_* variables changed: a backend asks on every call (the
+    environment may change between calls), and resolving costs tens of microseconds."""
+    global _from_env
+    key = tuple(os.environ.get(name) for name in _COMPRESSION_ENV)
+    cached = _from_env
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    config = resolve_compression()
+    _from_env = (key, config)
+    return config
 
 
 def resolve_comm(

@@ -134,3 +134,22 @@ def test_init_process_group_rejects_a_bad_variable(monkeypatch, tmp_path):
     with pytest.raises(ConfigError, match=f"{ENV_BITS}='5x' is not an integer in 1..8 or 32"):
         dist.init_process_group("cgx", store=store, rank=0, world_size=1)
     assert not dist.is_initialized()
+
+
+def test_compression_from_env_follows_every_change(monkeypatch):
+    from cgx_ucx.config import compression_from_env
+
+    for name in (ENV_BITS, "CGX_COMPRESSION_BUCKET_SIZE", "CGX_COMPRESSION_MINIMAL_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("CGX_COMPRESSION_STOCHASTIC", raising=False)
+    assert compression_from_env() == resolve_compression()
+    monkeypatch.setenv(ENV_BITS, "4")
+    assert compression_from_env().bits == 4
+    assert compression_from_env() is compression_from_env()  # cached while unchanged
+    monkeypatch.setenv("CGX_COMPRESSION_BUCKET_SIZE", "256")
+    assert compression_from_env().bucket_size == 256
+    monkeypatch.setenv(ENV_BITS, "9")
+    with pytest.raises(ConfigError, match=ENV_BITS):
+        compression_from_env()
+    monkeypatch.setenv(ENV_BITS, "8")
+    assert compression_from_env().bits == 8

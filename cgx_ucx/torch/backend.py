@@ -50,8 +50,8 @@ import torch.distributed as dist
 from ..config import (
     CommConfig,
     CompressionConfig,
+    compression_from_env,
     resolve_comm,
-    resolve_compression,
     validate_environment,
 )
 from ..errors import CGXError, ConfigError
@@ -232,7 +232,7 @@ class ProcessGroupCGX(dist.ProcessGroup):
     @property
     def compression(self) -> CompressionConfig:
         """The compression all_reduce uses now (explicit, else environment, else off)."""
-        return self._compression if self._compression is not None else resolve_compression()
+        return self._compression if self._compression is not None else compression_from_env()
 
     @compression.setter
     def compression(self, config: CompressionConfig | None) -> None:
