@@ -75,3 +75,16 @@ def test_bad_spin_mode_fails_connect_on_every_rank() -> None:
     results = run_ranks(_connect_only, 2, env={progress.ENV_SPIN: "sometimes"}, timeout=50)
     for text in results:
         assert "CGX_UCX_SPIN" in text, text
+
+
+def test_host_oversubscribed_follows_the_runnable_count(monkeypatch) -> None:
+    cores = progress._CORES
+    for runnable, busy in [
+        (1, False),
+        (progress.RUNNABLE_PER_CORE * cores + 1, True),
+        (None, False),
+    ]:
+        monkeypatch.setattr(progress, "runnable_threads", lambda n=runnable: n)
+        monkeypatch.setattr(progress, "_load", [-1.0, not busy])  # force a re-read
+        assert progress.host_oversubscribed() is busy
+        assert progress.host_oversubscribed() is busy  # cached within LOAD_PERIOD_S

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ..compression import decode, decode_add, encode
+from ..transport.progress import host_oversubscribed
 from .plan import Piece
 
 __all__ = [
@@ -38,7 +39,9 @@ CODEC_INLINE_NUMEL = 1 << 18
 
 
 class CodecRunner:
-    """Runs codec work for pieces: small ones inline, large ones on one codec thread."""
+    """Runs codec work for pieces: small ones inline, large ones on one codec thread,
+    unless the host has no spare core (then inline too: the hand-off would cost two
+    thread wake-ups, each waiting for a time slice, and no parallelism)."""
 
     def __init__(self) -> None:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -50,7 +53,7 @@ class CodecRunner:
 
     async def run(self, numel: int, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)``, for a piece of ``numel`` values."""
-        if numel < CODEC_INLINE_NUMEL:
+        if numel < CODEC_INLINE_NUMEL or host_oversubscribed():
             return fn(*args)
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cgx-codec")

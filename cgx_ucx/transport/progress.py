@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from typing import Any
 
 from ..errors import ConfigError
@@ -41,6 +42,7 @@ __all__ = [
     "Progress",
     "await_or_wake",
     "driver",
+    "host_oversubscribed",
     "install",
     "post_recv",
     "post_send",
@@ -111,7 +113,6 @@ class Progress:
         self.completions = 0
         self._spin_mode = spin_mode()
         self._spin_ok = self._spin_mode != "0"
-        self._load_at = -1.0
         loop.add_reader(self._fd, self._run)
         self.kick()
 
@@ -188,7 +189,7 @@ class Progress:
         now = self.event_loop.time()
         if completed:
             self._active_until = now + SPIN_S
-        if self._due and now < self._active_until and self._may_spin(now):
+        if self._due and now < self._active_until and self._may_spin():
             self._poll = MIN_POLL_S
             if not completed:
                 # Spinning ranks may outnumber cores (4 ranks on 2 here): give the CPU
@@ -212,11 +213,9 @@ class Progress:
             self._timer_at = when
             self._timer = self.event_loop.call_at(when, self._safety)
 
-    def _may_spin(self, now: float) -> bool:
-        if self._spin_mode == "auto" and now - self._load_at > LOAD_PERIOD_S:
-            self._load_at = now
-            runnable = runnable_threads()
-            self._spin_ok = runnable is None or runnable <= RUNNABLE_PER_CORE * _CORES
+    def _may_spin(self) -> bool:
+        if self._spin_mode == "auto":
+            return not host_oversubscribed()
         return self._spin_ok
 
     def _safety(self) -> None:
@@ -234,6 +233,22 @@ def spin_mode(env: Any = None) -> str:
     if mode is None:
         raise ConfigError(f"{ENV_SPIN}={raw!r}: expected auto, 1 (always spin) or 0 (never)")
     return mode
+
+
+_load = [-1.0, False]  # [when read (monotonic), oversubscribed then]
+
+
+def host_oversubscribed() -> bool:
+    """Whether more threads are runnable on this host than RUNNABLE_PER_CORE per core,
+    re-read at most every LOAD_PERIOD_S. Spinning (here) and handing codec work to a
+    second thread (:class:`~cgx_ucx.collectives.piece_codec.CodecRunner`) only pay while
+    a core is spare; on a full host each costs a time slice or a wake-up."""
+    now = time.monotonic()
+    if now - _load[0] > LOAD_PERIOD_S:
+        runnable = runnable_threads()
+        _load[0] = now
+        _load[1] = runnable is not None and runnable > RUNNABLE_PER_CORE * _CORES
+    return bool(_load[1])
 
 
 def runnable_threads() -> int | None:
