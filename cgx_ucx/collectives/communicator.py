@@ -274,8 +274,13 @@ class Communicator:
         return result
 
     async def _after_failure(self, call: Call, exc: BaseException) -> None:
-        """Tell the peers, unless they know already (they raised it, or saw the loss)."""
-        if call.abort.done() or self._mesh.closed or self.world_size == 1:
+        """Tell the peers, unless they saw it themselves (a lost peer).
+
+        A failure that came as a peer's ABORT is relayed too: the ABORT from its origin
+        may reach a third rank after this rank's BYE (different channels, no order between
+        them), and that rank then blamed this one for closing mid-collective instead of
+        reporting the cause; on one channel the relayed ABORT precedes our BYE."""
+        if self._mesh.closed or self.world_size == 1:
             return
         if isinstance(exc, CGXTimeoutError):
             code, peer = AbortCode.PEER_LOST, exc.peer if exc.peer is not None else self.rank

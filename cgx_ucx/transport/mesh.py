@@ -82,6 +82,8 @@ CLOSE_WAIT_S = 10.0
 #: told (ABORT) or are gone, and a teardown after a failure must stay short (issue 13).
 FAILED_CLOSE_WAIT_S = 1.0
 ABORT_PERIOD_NS = _ucx.ABORT_PERIOD_NS
+#: ABORT frames kept while no communicator listens yet (one per peer and call at most).
+MAX_EARLY_ABORT_FRAMES = 64
 #: How long abort() waits for connection handshakes in flight inside ucxx's listener to
 #: end (a dialer that gave up makes them fail at once) before giving up on them.
 LISTENER_SETTLE_S = 2.0
@@ -151,7 +153,12 @@ class Mesh(MeshSetup):
         self.peers: dict[int, _Peer] = {r: _Peer(r) for r in range(world_size) if r != rank}
         self.stats = TransportStats()
         self.activity = Activity()
-        self.on_abort: Any = None  # callable(frame, reason) set by the communicator
+        self._on_abort: Any = None  # callable(frame, reason) set by the communicator
+        #: ABORTs that came before the communicator took the mesh: connect still waits
+        #: for the other ranks' codecs after the mesh is up, and a rank that got through
+        #: first may already have failed its first collective (issue 13: dropping them
+        #: made the peers report "rank 0 closed its communicator" instead of the cause).
+        self._early_aborts: list[tuple[Frame, str]] = []
         self._ucxx: Any = None
         self._listener: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -288,8 +295,10 @@ class Mesh(MeshSetup):
             self._bye_seen()
         elif frame.kind == Kind.ABORT:
             self._aborts += 1
-            if self.on_abort is not None:
-                self.on_abort(frame, reason)
+            if self._on_abort is not None:
+                self._on_abort(frame, reason)
+            elif len(self._early_aborts) < MAX_EARLY_ABORT_FRAMES:
+                self._early_aborts.append((frame, reason))
         elif frame.kind == Kind.STATUS_REQUEST:
             head, what = self.activity.frame(self.job, self.rank)
             self._spawn(self.send_control(p.rank, head, what))
@@ -301,6 +310,20 @@ class Mesh(MeshSetup):
                 self.lose(p.rank, ProtocolError(f"unexpected control frame kind {frame.kind}"))
             return False
         return True
+
+    @property
+    def on_abort(self) -> Any:
+        """Called with (frame, reason) for every ABORT; ABORTs received before it was
+        set are delivered when it is."""
+        return self._on_abort
+
+    @on_abort.setter
+    def on_abort(self, callback: Any) -> None:
+        self._on_abort = callback
+        early, self._early_aborts = self._early_aborts, []
+        if callback is not None:
+            for frame, reason in early:
+                callback(frame, reason)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -389,6 +412,9 @@ class Mesh(MeshSetup):
             try:
                 return task.result()
             except errors as exc:
+                # The operation failed because a peer closed or was aborted; if this
+                # collective was aborted meanwhile, that says why (issue 13).
+                _raise_done(extra)
                 return self._op_failed(rank, what, exc)
         _raise_done(extra)
         if self.failed_future.done():
