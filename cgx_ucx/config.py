@@ -39,6 +39,7 @@ __all__ = [
     "ENV_BITS",
     "ENV_BUCKET_SIZE",
     "ENV_MINIMAL_SIZE",
+    "ENV_SPIN",
     "ENV_STOCHASTIC",
     "ENV_TIMEOUT",
     "NO_COMPRESSION_BITS",
@@ -49,6 +50,7 @@ __all__ = [
     "log_configuration",
     "resolve_comm",
     "resolve_compression",
+    "spin_mode",
     "validate_environment",
 ]
 
@@ -62,6 +64,8 @@ ENV_TIMEOUT = "CGX_UCX_TIMEOUT"
 ENV_NODE_ID = "CGX_UCX_NODE_ID"
 #: Out-of-band membership secret (transport/handshake.py); the launcher sets it on every rank.
 ENV_SECRET = "CGX_UCX_SECRET"
+#: Progress after a completion (transport/progress.py): "auto", "1" (always spin), "0".
+ENV_SPIN = "CGX_UCX_SPIN"
 
 #: torch_cgx forces its minimal compressed size to at least 16 values.
 MIN_COMPRESSED_SIZE = 16
@@ -220,6 +224,15 @@ def resolve_compression(
     return _merge(CompressionConfig, base or CompressionConfig(), env_values, kwargs)
 
 
+def spin_mode(env: Mapping[str, str] | None = None) -> str:
+    """``CGX_UCX_SPIN``: "auto", "1" or "0" (ConfigError naming the variable otherwise)."""
+    raw = (os.environ if env is None else env).get(ENV_SPIN, "auto").strip().lower()
+    mode = {"": "auto", "auto": "auto", "1": "1", "on": "1", "0": "0", "off": "0"}.get(raw)
+    if mode is None:
+        raise ConfigError(f"{ENV_SPIN}={raw!r}: expected auto, 1 (always spin) or 0 (never)")
+    return mode
+
+
 _COMPRESSION_ENV = (ENV_BITS, ENV_BUCKET_SIZE, ENV_MINIMAL_SIZE, ENV_STOCHASTIC)
 _from_env: tuple[tuple[str | None, ...], CompressionConfig] | None = None
 
@@ -265,6 +278,7 @@ def validate_environment(env: Mapping[str, str] | None = None) -> CompressionCon
     """
     env = os.environ if env is None else env
     resolve_comm(env=env)
+    spin_mode(env)
     return resolve_compression(env=env)
 
 

@@ -153,3 +153,8 @@ def test_compression_from_env_follows_every_change(monkeypatch):
         compression_from_env()
     monkeypatch.setenv(ENV_BITS, "8")
     assert compression_from_env().bits == 8
+
+
+def test_bad_spin_mode_is_caught_with_the_other_variables():
+    with pytest.raises(ConfigError, match="CGX_UCX_SPIN"):
+        validate_environment({"CGX_UCX_SPIN": "sometimes"})

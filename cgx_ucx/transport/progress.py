@@ -32,7 +32,7 @@ import os
 import time
 from typing import Any
 
-from ..errors import ConfigError
+from ..config import ENV_SPIN, spin_mode
 
 __all__ = [
     "BOOST_PERIOD_S",
@@ -76,8 +76,8 @@ SPIN_S = 0.002
 #: thread) the transfer waits for, and the scheduler then ranks the spinner behind every
 #: other busy process: with 8 CPU hogs beside a 2-rank job on 2 cores, a DDP step took
 #: 98 ms spinning and 80 ms not (gloo: 26-33 ms). MPI libraries do the same (Open MPI's
-#: yield-when-idle when oversubscribed).
-ENV_SPIN = "CGX_UCX_SPIN"
+#: yield-when-idle when oversubscribed). Parsed by :func:`cgx_ucx.config.spin_mode`.
+#:
 #: "auto": the host counts as oversubscribed while more threads are runnable (the 4th
 #: field of /proc/loadavg, an instantaneous count) than this many per core; re-read at
 #: most every LOAD_PERIOD_S.
@@ -112,7 +112,6 @@ class Progress:
         self.wakeups = 0
         self.completions = 0
         self._spin_mode = spin_mode()
-        self._spin_ok = self._spin_mode != "0"
         loop.add_reader(self._fd, self._run)
         self.kick()
 
@@ -216,7 +215,7 @@ class Progress:
     def _may_spin(self) -> bool:
         if self._spin_mode == "auto":
             return not host_oversubscribed()
-        return self._spin_ok
+        return self._spin_mode == "1"
 
     def _safety(self) -> None:
         self._timer = None
@@ -224,15 +223,6 @@ class Progress:
 
 
 _CORES = os.cpu_count() or 1
-
-
-def spin_mode(env: Any = None) -> str:
-    """``CGX_UCX_SPIN``: "auto", "1" or "0" (ConfigError naming the variable otherwise)."""
-    raw = (os.environ if env is None else env).get(ENV_SPIN, "auto").strip().lower()
-    mode = {"": "auto", "auto": "auto", "1": "1", "on": "1", "0": "0", "off": "0"}.get(raw)
-    if mode is None:
-        raise ConfigError(f"{ENV_SPIN}={raw!r}: expected auto, 1 (always spin) or 0 (never)")
-    return mode
 
 
 _load = [-1.0, False]  # [when read (monotonic), oversubscribed then]
