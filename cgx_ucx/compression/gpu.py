@@ -207,8 +207,7 @@ def compile_kernels(arch: str, source: str | None = None) -> bytes:
     Needs only the NVRTC library (no GPU). Raises CodecError with NVRTC's log on failure.
     """
     src = kernel_source() if source is None else source
-    image, _log = nvrtc.compile_program(src, SOURCE, [f"--gpu-architecture={arch}", *NVRTC_OPTIONS])
-    return image
+    return nvrtc.compile_program(src, SOURCE, arch, list(NVRTC_OPTIONS))
 
 
 def target_arch(compute_capability: int) -> str:

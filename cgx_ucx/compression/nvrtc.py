@@ -94,8 +94,8 @@ def _read(lib: ctypes.CDLL, prog: ctypes.c_void_p, what: str) -> bytes:
     return buf.raw
 
 
-def compile_program(source: str, name: str, options: list[str]) -> tuple[bytes, str]:
-    """Compile ``source``; returns (image, log): a cubin for ``-arch=sm_XY``, else PTX.
+def compile_program(source: str, name: str, arch: str, options: list[str]) -> bytes:
+    """Compile ``source`` for ``arch``: a cubin for ``sm_XY``, PTX for ``compute_XY``.
 
     Raises :class:`NvrtcError` (a :class:`CodecError`) with NVRTC's log on a build error.
     """
@@ -106,11 +106,11 @@ def compile_program(source: str, name: str, options: list[str]) -> tuple[bytes, 
         "nvrtcCreateProgram",
     )
     try:
-        result = lib.nvrtcCompileProgram(prog, len(options), _strings(options))
-        log = _read(lib, prog, "ProgramLog").rstrip(b"\0").decode(errors="replace")
-        _check(result, f"NVRTC cannot build {name}", log)
-        cubin = any("sm_" in o for o in options if o.startswith(("--gpu-architecture", "-arch")))
-        image = _read(lib, prog, "CUBIN" if cubin else "PTX")
-        return image, log  # PTX keeps its NUL: cuModuleLoadData reads it as a C string
+        flags = [f"--gpu-architecture={arch}", *options]
+        if lib.nvrtcCompileProgram(prog, len(flags), _strings(flags)) != 0:
+            log = _read(lib, prog, "ProgramLog").rstrip(b"\0").decode(errors="replace")
+            raise NvrtcError(f"NVRTC cannot build {name} for {arch}", log)
+        # PTX keeps its NUL: cuModuleLoadData reads it as a C string.
+        return _read(lib, prog, "CUBIN" if arch.startswith("sm_") else "PTX")
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
