@@ -242,43 +242,63 @@ def test_foreign_connection_is_closed_and_ignored():
     assert "answered" not in results[2]
 
 
-async def malformed_frame(ctx):
+async def malformed_frame(ctx, algorithm):
+    from cgx_ucx.errors import CGXError
     from cgx_ucx.transport.frames import FRAME_NBYTES
 
     async with await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG) as comm:
         await comm.barrier()
         mesh = comm._mesh
+        x = np.full(100, ctx.rank + 1.0, np.float32)
         if ctx.rank == 1:
             # A member sends garbage where rank 0 expects the next collective's header.
             seq = comm._seq
             junk = np.frombuffer(os.urandom(FRAME_NBYTES), np.uint8).copy()
             await mesh.send(0, mesh.tag(seq, 1, 1, 0, False), junk, "junk")
-            # Rank 0 rejects it and tells us (ABORT): our call of that collective fails.
-            # Two rounds (SRA): in the one-round path our call can complete with rank 0's
-            # (correct) frame before its ABORT arrives; rank 0 fails either way.
+            # Rank 0 rejects it and tells us (ABORT). Rank 0's own frames may already be
+            # on the wire (one message each, issue 10), so our call may also complete
+            # before the ABORT comes: then with rank 0's correct values, and the next
+            # call must fail at once, naming rank 0.
+            start = time.monotonic()
             try:
-                await comm.allreduce(np.ones(100, np.float32), algorithm="sra")
-                return "no error", None
-            except ProtocolError as exc:
-                return "ProtocolError", str(exc)
+                await comm.allreduce(x, algorithm=algorithm)
+            except CGXError as exc:
+                return "same call", type(exc).__name__, str(exc), time.monotonic() - start, None
+            values = x.tolist()
+            start = time.monotonic()
+            try:
+                await comm.allreduce(np.ones(100, np.float32), algorithm=algorithm)
+                return "next call", "no error", "", time.monotonic() - start, values
+            except CGXError as exc:
+                return "next call", type(exc).__name__, str(exc), time.monotonic() - start, values
         start = time.monotonic()
         try:
-            await comm.allreduce(np.ones(100, np.float32), algorithm="sra")
-            return "no error", None
+            await comm.allreduce(x, algorithm=algorithm)
+            return "no error", None, None, None
         except ProtocolError as exc:
-            assert time.monotonic() - start < CFG.timeout / 2
             # Garbage fails the pair's keyed check: nobody is proven guilty, so the
             # communicator fails without dropping rank 1 (its control channel stays up).
-            assert mesh.peers[1].lost is None
-            return "ProtocolError", str(exc)
+            return "ProtocolError", str(exc), time.monotonic() - start, mesh.peers[1].lost
 
 
 @pytest.mark.timeout(60)
-def test_malformed_frame_is_protocol_error_on_both_ranks():
-    results = run_ranks(malformed_frame, 2, timeout=50)
-    assert results[0][0] == "ProtocolError" and "rank 1" in results[0][1]
-    # Rank 1 learns it from rank 0's ABORT instead of being declared gone.
-    assert results[1][0] == "ProtocolError" and "rank 0 aborted" in results[1][1]
+@pytest.mark.parametrize("algorithm", ["sra", "oneshot"])
+def test_malformed_frame_is_protocol_error_on_both_ranks(algorithm):
+    """Rank 0 rejects a forged header: ProtocolError there on that call, quickly, rank 1
+    not dropped. Rank 1 learns it from rank 0's ABORT, or (rank 0's frame already sent)
+    completes that call correctly and fails the next one naming rank 0; never a hang,
+    never wrong numbers."""
+    results = run_ranks(malformed_frame, 2, args=(algorithm,), timeout=50)
+    kind, text, elapsed, lost = results[0]
+    assert kind == "ProtocolError" and "rank 1" in text, results[0]
+    assert elapsed < CFG.timeout / 2 and lost is None, results[0]
+    when, kind, text, elapsed, values = results[1]
+    assert kind in ("ProtocolError", "PeerLostError") and "rank 0" in text, results[1]
+    assert elapsed < CFG.timeout / 2, results[1]  # not the deadline: ABORT or BYE said it
+    if when == "same call":
+        assert "rank 0 aborted" in text, results[1]
+    else:
+        assert when == "next call" and values == [3.0] * 100, results[1]
 
 
 async def lonely_rank(ctx):

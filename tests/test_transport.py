@@ -20,7 +20,19 @@ from cgx_ucx.collectives.plan import make_plan
 from cgx_ucx.errors import ProtocolError
 from cgx_ucx.layout import LayerSpec, Layout
 from cgx_ucx.transport import ucx as ucx_env
-from cgx_ucx.transport.frames import FRAME_NBYTES, MAX_PAYLOAD_NBYTES, Frame, Kind
+from cgx_ucx.transport.frames import (
+    FLAG_INLINE,
+    FRAME_NBYTES,
+    INLINE_END,
+    MAX_INLINE_NBYTES,
+    MAX_PAYLOAD_NBYTES,
+    RECV_NBYTES,
+    Frame,
+    Kind,
+    inlinable,
+    inline_message,
+    inline_payload,
+)
 from cgx_ucx.transport.rendezvous import PeerAddress
 
 # -- frames -------------------------------------------------------------------------------
@@ -125,6 +137,84 @@ def test_tag_spaces_never_collide():
 def test_random_bytes_only_ever_raise_protocol_error(data):
     with contextlib.suppress(ProtocolError):
         Frame.unpack(data, job=1)
+
+
+# -- inline payloads (issue 10) --------------------------------------------------------
+
+
+def _received(message: np.ndarray) -> np.ndarray:
+    """What a header receive holds after ``message`` arrived: the zeroed buffer of
+    RECV_NBYTES with the message at its start (UCX writes no byte past the message)."""
+    buf = np.zeros(RECV_NBYTES, np.uint8)
+    buf[: message.nbytes] = message
+    return buf
+
+
+def _checked(buf: np.ndarray, key: bytes) -> tuple[Frame, np.ndarray | None]:
+    frame = Frame.unpack(buf, job=7, key=key)
+    return frame, inline_payload(frame, buf)
+
+
+@pytest.mark.parametrize("nbytes", [1, 4096, MAX_INLINE_NBYTES])
+def test_inline_message_round_trip(nbytes):
+    key = os.urandom(16)
+    f = Frame(kind=Kind.DATA, job=7, comm=3, seq=5, src=1, flags=1, numel=nbytes, payload=nbytes)
+    payload = np.frombuffer(os.urandom(nbytes), np.uint8)
+    msg = inline_message(f, payload, key)
+    assert msg.nbytes == FRAME_NBYTES + nbytes + 1 and msg[-1] == INLINE_END
+    frame, data = _checked(_received(msg), key)
+    assert frame.flags == 1 | FLAG_INLINE  # on the wire; the mesh clears it
+    assert frame.with_(flags=frame.flags & ~FLAG_INLINE).signature == f.signature
+    assert data is not None and data.tobytes() == payload.tobytes()
+    # Without the flag, the bytes after the header are not a payload.
+    plain = _received(np.frombuffer(f.pack(key), np.uint8))
+    assert _checked(plain, key)[1] is None
+
+
+def test_inline_flag_is_above_the_collectives_flags():
+    from cgx_ucx.collectives.hierarchical import FLAG_INTRA_COMPRESS, FLAG_LEADER
+
+    assert FLAG_INLINE & (1 | FLAG_LEADER | FLAG_INTRA_COMPRESS) == 0
+
+
+def test_inline_header_over_the_bound_is_refused_before_any_copy():
+    """(a) A keyed header with FLAG_INLINE announcing more than MAX_INLINE_NBYTES."""
+    key = os.urandom(16)
+    for n in (MAX_INLINE_NBYTES + 1, MAX_PAYLOAD_NBYTES):
+        f = Frame(kind=Kind.DATA, job=7, payload=n)
+        msg = np.zeros(FRAME_NBYTES + 100, np.uint8)
+        msg[:FRAME_NBYTES] = np.frombuffer(f.pack(key, FLAG_INLINE), np.uint8)
+        msg[-1] = INLINE_END
+        with pytest.raises(ProtocolError, match="bound"):
+            _checked(_received(msg), key)
+
+
+@pytest.mark.parametrize("missing", [1, 2, 200, 401])
+def test_inline_message_shorter_than_announced_is_refused(missing):
+    """(b) FLAG_INLINE with a message shorter than header + payload (+ end byte): the
+    zeroed receive buffer has no INLINE_END where the message should have ended."""
+    key = os.urandom(16)
+    f = Frame(kind=Kind.DATA, job=7, numel=100, payload=400)
+    msg = inline_message(f, np.full(100, 1.5, np.float32), key)
+    assert _checked(_received(msg), key)[1] is not None
+    short = msg[: msg.nbytes - missing]
+    with pytest.raises(ProtocolError, match="shorter"):
+        _checked(_received(short), key)
+    # Payload bytes equal to INLINE_END change nothing: the end byte is looked for
+    # after the announced payload only.
+    f1 = Frame(kind=Kind.DATA, job=7, payload=400)
+    msg1 = inline_message(f1, np.full(400, INLINE_END, np.uint8), key)
+    with pytest.raises(ProtocolError, match="shorter"):
+        _checked(_received(msg1[:-1]), key)
+
+
+def test_only_small_contiguous_host_payloads_go_inline():
+    x = np.zeros(MAX_INLINE_NBYTES + 1, np.uint8)
+    assert inlinable(x[:-1], MAX_INLINE_NBYTES)
+    assert not inlinable(x, x.nbytes)  # one byte more: a second message
+    assert not inlinable(x[:-1:2], x[:-1:2].nbytes)  # not contiguous
+    assert not inlinable(x[:0], 0)
+    assert not inlinable(memoryview(x[:10]), 10)  # not a NumPy array (CuPy: the same)
 
 
 def test_peer_address_round_trip_and_bounds():
@@ -289,6 +379,47 @@ def test_idle_communicator_does_not_spin_and_closes_cleanly():
             "UCX_MM_ERROR_HANDLING": "y",
         }
         assert threads == [] and tasks == [] and reset
+
+
+async def inline_boundary(ctx):
+    """(c) Payloads of exactly MAX_INLINE_NBYTES (one message per frame) and one byte more
+    (two): p2p, and a one-round allreduce whose frame carries the raw buffer."""
+    from cgx_ucx.collectives import connect
+    from cgx_ucx.config import CommConfig
+
+    out = {}
+    async with await connect(ctx.store, ctx.rank, 2, config=CommConfig(timeout=20)) as comm:
+        await comm.barrier()
+        for nbytes in (MAX_INLINE_NBYTES, MAX_INLINE_NBYTES + 1):
+            pattern = (np.arange(nbytes) * 7 % 251).astype(np.uint8)
+            before = comm.stats.messages_sent
+            if ctx.rank == 0:
+                await comm.send(pattern, 1)
+                p2p_ok = True
+            else:
+                got = np.zeros(nbytes, np.uint8)
+                await comm.recv(got, 0)
+                p2p_ok = got.tobytes() == pattern.tobytes()
+            p2p_msgs = comm.stats.messages_sent - before
+            numel = -(-nbytes // 4)  # float32 values: 16384 (64 KiB) and 16385
+            x = np.arange(numel, dtype=np.float32) + ctx.rank
+            before = comm.stats.messages_sent
+            await comm.allreduce(x, algorithm="oneshot")
+            ar_msgs = comm.stats.messages_sent - before
+            ar_ok = np.array_equal(x, 2 * np.arange(numel, dtype=np.float32) + 1)
+            out[nbytes] = (p2p_ok, p2p_msgs, ar_ok, ar_msgs)
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_inline_boundary_payloads_round_trip():
+    results = run_ranks(inline_boundary, 2, timeout=50)
+    for rank, out in enumerate(results):
+        for nbytes, (p2p_ok, p2p_msgs, ar_ok, ar_msgs) in out.items():
+            messages = 1 if nbytes <= MAX_INLINE_NBYTES else 2
+            assert p2p_ok and ar_ok, (rank, nbytes, out)
+            assert p2p_msgs == (messages if rank == 0 else 0), (rank, nbytes, out)
+            assert ar_msgs == messages, (rank, nbytes, out)
 
 
 # -- address selection --------------------------------------------------------------------

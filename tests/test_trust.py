@@ -15,7 +15,7 @@ from harness import run_ranks
 
 from cgx_ucx.collectives import connect
 from cgx_ucx.config import CommConfig
-from cgx_ucx.errors import CGXError
+from cgx_ucx.errors import CGXError, CollectiveMismatchError, ProtocolError
 
 CFG = CommConfig(timeout=20.0, connect_timeout=30.0)
 N = 32768  # values per allreduce: the payload rides UCX's rendezvous protocol
@@ -130,6 +130,127 @@ def test_injected_data_frames_are_never_accepted(foreign_job):
     for r in results[:2]:
         assert r.ok, r.traceback
         assert r.value == ["correct"] * 4, r.value
+
+
+# -- inline payloads (issue 10): forged by a member, and mismatches -----------------------
+
+#: How rank 1 (holding the pair key, so its frames pass the keyed check) lies about an
+#: inline payload on the header of rank 0's next one-round allreduce (100 float32).
+FORGERIES = ["over-bound", "over-buffer", "header-only", "short", "no-end-byte"]
+
+
+def _forged(kind: str, frame, key: bytes) -> np.ndarray:
+    from cgx_ucx.transport.frames import FLAG_INLINE, FRAME_NBYTES, INLINE_END, MAX_INLINE_NBYTES
+
+    if kind.startswith("over"):
+        # (a) more than MAX_INLINE_NBYTES announced: with a message that fits the
+        # receive, or one as long as it says (UCX reports it truncated).
+        n = MAX_INLINE_NBYTES + 1
+        frame = frame.with_(payload=n)
+        body = 100 if kind == "over-bound" else n
+    else:
+        # (b) the 400 bytes announced, a message that ends early.
+        body = {"header-only": 0, "short": 200, "no-end-byte": 400}[kind]
+    msg = np.full(FRAME_NBYTES + body + 1, INLINE_END, np.uint8)
+    msg[:FRAME_NBYTES] = np.frombuffer(frame.pack(key, FLAG_INLINE), np.uint8)
+    return msg if kind.startswith("over") else msg[: FRAME_NBYTES + body]
+
+
+async def forged_inline(ctx, kind):
+    from cgx_ucx.collectives.call import PH_SIG
+    from cgx_ucx.transport.frames import Algo, Coll, Frame, Kind, Op, dtype_code
+
+    async with await connect(ctx.store, ctx.rank, 2, config=CFG) as comm:
+        await comm.barrier()
+        mesh = comm._mesh
+        if ctx.rank == 1:
+            seq = comm._seq
+            frame = Frame(
+                kind=Kind.DATA,
+                job=mesh.job,
+                comm=mesh.comm_id,
+                seq=seq,
+                src=1,
+                phase=PH_SIG,
+                slot=0,
+                collective=Coll.ALLREDUCE,
+                reduce_op=Op.SUM,
+                dtype=dtype_code(np.float32),
+                bits=32,
+                algorithm=Algo.ONESHOT,
+                numel=100,
+                payload=400,
+                count=1,
+            )
+            msg = _forged(kind, frame, mesh.peers[0].keys.key)
+            tag = mesh.tag(seq, 1, PH_SIG, 0, False)
+            sent = asyncio.ensure_future(mesh.send(0, tag, msg, "forged inline frame"))
+            await _key(ctx.store, "done/0")
+            await asyncio.wait([sent], timeout=5.0)
+            return None
+        x = np.ones(100, np.float32)
+        start = time.monotonic()
+        try:
+            await comm.allreduce(x, algorithm="oneshot")
+            outcome = "no error"
+        except ProtocolError as exc:
+            outcome = f"ProtocolError: {exc}"
+        finally:
+            ctx.store.set("done/0", b"1")
+        lost = mesh.peers[1].lost
+        return outcome, time.monotonic() - start, x.tolist() == [1.0] * 100, type(lost).__name__
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", FORGERIES)
+def test_forged_inline_payloads_are_refused(kind):
+    """(a) FLAG_INLINE announcing more than MAX_INLINE_NBYTES, (b) an inline message
+    shorter than its header and payload: a ProtocolError naming the sender at once,
+    nothing written, and the sender (it held the pair key) dropped."""
+    outcome, elapsed, untouched, lost = run_ranks(forged_inline, 2, args=(kind,), timeout=50)[0]
+    assert outcome.startswith("ProtocolError") and "from rank 1" in outcome, outcome
+    expected = {"over-bound": "bound", "over-buffer": "oversized message"}.get(kind, "shorter")
+    assert expected in outcome, outcome
+    assert elapsed < CFG.timeout / 2 and untouched and lost == "ProtocolError"
+
+
+async def inline_mismatches(ctx):
+    """(d) Ranks that disagree, with every frame inline (small host buffers)."""
+    out = {}
+    async with await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG) as comm:
+        x = np.ones(100, np.float32)
+        before = comm.stats.messages_sent
+        await comm.allreduce(x, algorithm="oneshot")
+        out["messages"] = comm.stats.messages_sent - before
+        for algorithm in ("oneshot", "sra"):
+            for what in ("numel", "dtype", "op"):
+                n = 100 + (ctx.rank == 1 and what == "numel")
+                dtype = np.float64 if ctx.rank == 1 and what == "dtype" else np.float32
+                op = "avg" if ctx.rank == 1 and what == "op" else "sum"
+                x = np.arange(n, dtype=dtype)
+                start = time.monotonic()
+                try:
+                    await comm.allreduce(x, op, algorithm=algorithm)
+                    outcome = "no error"
+                except CollectiveMismatchError as exc:
+                    outcome = str(exc)
+                untouched = np.array_equal(x, np.arange(n, dtype=dtype))
+                y = np.full(7, ctx.rank, np.int64)
+                await comm.allreduce(y)  # still usable
+                out[algorithm, what] = (outcome, untouched, time.monotonic() - start, y.tolist())
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_mismatch_is_detected_on_every_rank_with_inline_frames():
+    results = run_ranks(inline_mismatches, 3, timeout=80)
+    for rank, out in enumerate(results):
+        assert out.pop("messages") == 2, (rank, out)  # one message to each peer: inline
+        assert len(out) == 6, out
+        for (algorithm, what), got in out.items():
+            outcome, untouched, elapsed, y = got
+            assert "disagree" in outcome, (rank, algorithm, what, outcome)
+            assert untouched and elapsed < CFG.timeout / 2 and y == [3] * 7, (rank, what, got)
 
 
 async def wrong_secret_intruder(ctx):

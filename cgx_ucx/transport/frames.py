@@ -6,6 +6,14 @@ buffer of exactly the announced, bounded size). Nothing is unpickled; the header
 ``struct`` closed by a 16-byte check, so a foreign or corrupted frame is a
 :class:`~cgx_ucx.errors.ProtocolError` before any field is trusted.
 
+A small contiguous host payload (at most :data:`MAX_INLINE_NBYTES`) instead travels in
+the header's own message (issue 10: one message and one wake-up per frame instead of
+two), with :data:`FLAG_INLINE` set: ``header (80) | payload (n) | INLINE_END (1 byte)``.
+Every data-channel header receive is posted with room for that (:data:`RECV_NBYTES`, the
+receiver cannot know beforehand) into a zeroed buffer; :func:`inline_payload` checks the
+keyed header, the bound and the end byte (a message shorter than announced leaves a zero
+there) before a single payload byte is used. Device payloads never go inline.
+
 The check is BLAKE2b-128 over bytes 0..63. Once two ranks completed their handshake
 (:mod:`.handshake`) it is keyed with their pair key, so a header is accepted only from
 the peer that holds that key (issue 13: UCX tags are worker-wide, and a process that
@@ -30,12 +38,14 @@ Layout, little-endian, ``struct`` format ``<4sBBBBQIIHHIBBBBIQQQ16s``::
     32  B   dtype         DTYPE_CODES
     33  B   bits          uniform bits of the layout, MIXED_BITS when layers differ
     34  B   algorithm     Algo (sra, ring, direct)
-    35  B   flags         bit 0 stochastic rounding
+    35  B   flags         bits 0-6 signed by the collective (bit 0 stochastic rounding,
+                          bits 1-2 the hierarchical scheme); bit 7 FLAG_INLINE (wire
+                          only, cleared before the signature is compared): see above
     36  I   count         pieces the sender sends in this (phase, destination) stream,
                           or the root of a broadcast, or the peer an ABORT names
     40  Q   numel         values in the caller's buffer
     48  Q   digest        Layout.digest
-    56  Q   payload       bytes of the payload message that follows (0: none)
+    56  Q   payload       bytes of the payload (a message that follows, or inline; 0: none)
     64  16s check         BLAKE2b-128 of bytes 0..63 (keyed with the pair key, see above)
 """
 
@@ -45,7 +55,7 @@ import enum
 import hashlib
 import hmac
 import struct
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ml_dtypes
@@ -56,19 +66,27 @@ from ..errors import ProtocolError
 __all__ = [
     "CHECK_NBYTES",
     "DTYPE_CODES",
+    "FLAG_INLINE",
     "FRAME_NBYTES",
+    "INLINE_END",
     "KEY_NBYTES",
     "MAGIC",
+    "MAX_INLINE_NBYTES",
     "MAX_PAYLOAD_NBYTES",
     "MIXED_BITS",
+    "RECV_NBYTES",
     "VERSION",
     "Algo",
     "Coll",
     "Frame",
     "Kind",
     "Op",
+    "copy_inline",
     "dtype_code",
     "dtype_from_code",
+    "inlinable",
+    "inline_message",
+    "inline_payload",
 ]
 
 MAGIC = b"CGXF"
@@ -83,6 +101,19 @@ assert _BODY.size == 64 and FRAME_NBYTES == 80
 #: Largest payload a peer may announce (bounded before anything is allocated): 16 GiB,
 #: above any single gradient bucket or broadcast this library is meant for.
 MAX_PAYLOAD_NBYTES = 1 << 34
+#: ``flags`` bit of a frame whose payload follows the header in the same message. The
+#: top bit: the lower ones are the collectives' own signed flags (hierarchical.py uses
+#: bits 1 and 2), which must never set it.
+FLAG_INLINE = 0x80
+#: Largest payload sent inline. Every data-channel header receive is posted with room
+#: for it (the receiver cannot know beforehand), so it stays small: above it the extra
+#: copy on both sides outweighs the second message.
+MAX_INLINE_NBYTES = 1 << 16
+#: The byte that closes an inline message. The receive buffer is zeroed, so a message
+#: shorter than header + announced payload + 1 leaves 0 where this byte is looked for.
+INLINE_END = 0xC5
+#: Size of every data-channel header receive: a header with the largest inline payload.
+RECV_NBYTES = FRAME_NBYTES + MAX_INLINE_NBYTES + 1
 #: ``bits`` value of a layout whose layers use different widths.
 MIXED_BITS = 255
 
@@ -184,9 +215,13 @@ class Frame:
     digest: int = 0
     payload: int = 0
     count: int = 0
+    #: The payload bytes that arrived inline with this header (a uint8 view of the
+    #: received message), or None; not part of the header (nor of equality).
+    inline: Any = field(default=None, compare=False, repr=False)
 
-    def pack(self, key: bytes | None = None) -> bytes:
-        """The 80 header bytes; the check is keyed with ``key`` (a pair key) when given."""
+    def pack(self, key: bytes | None = None, extra_flags: int = 0) -> bytes:
+        """The 80 header bytes; the check is keyed with ``key`` (a pair key) when given.
+        ``extra_flags``: wire-only flag bits (FLAG_INLINE) or-ed into ``flags``."""
         body = _BODY.pack(
             MAGIC,
             VERSION,
@@ -202,7 +237,7 @@ class Frame:
             self.dtype,
             self.bits,
             self.algorithm,
-            self.flags,
+            self.flags | extra_flags,
             self.count,
             self.numel,
             self.digest,
@@ -282,6 +317,58 @@ class Frame:
                 f"{MAX_PAYLOAD_NBYTES}-byte bound"
             )
         return frame
+
+
+def inlinable(payload: Any, nbytes: int) -> bool:
+    """Whether ``payload`` goes inline: host memory, contiguous, at most
+    MAX_INLINE_NBYTES (device payloads never: inlining them would cost a device-to-host
+    copy and a synchronisation)."""
+    return (
+        0 < nbytes <= MAX_INLINE_NBYTES
+        and isinstance(payload, np.ndarray)
+        and payload.flags.c_contiguous
+        and payload.nbytes == nbytes
+    )
+
+
+def inline_message(frame: Frame, payload: np.ndarray, key: bytes | None = None) -> np.ndarray:
+    """The one message of a frame with its payload inline (see the module docstring);
+    ``payload`` must be :func:`inlinable` with ``frame.payload`` bytes."""
+    n = frame.payload
+    msg = np.empty(FRAME_NBYTES + n + 1, np.uint8)
+    msg[:FRAME_NBYTES] = np.frombuffer(frame.pack(key, FLAG_INLINE), np.uint8)
+    msg[FRAME_NBYTES:-1] = payload.reshape(-1).view(np.uint8)
+    msg[-1] = INLINE_END
+    return msg
+
+
+def inline_payload(frame: Frame, message: np.ndarray) -> np.ndarray | None:
+    """The inline payload of a received, already checked header ``frame`` (a view of
+    ``message``, the zeroed receive buffer), None when ``frame`` has no FLAG_INLINE.
+    ProtocolError when the flag announces more than MAX_INLINE_NBYTES, or the message
+    ended before header + payload + INLINE_END; nothing is copied before these checks."""
+    if not frame.flags & FLAG_INLINE:
+        return None
+    n = frame.payload
+    if n > MAX_INLINE_NBYTES:
+        raise ProtocolError(
+            f"inline payload of {n} bytes announced, above the {MAX_INLINE_NBYTES}-byte bound"
+        )
+    end = FRAME_NBYTES + n
+    if message.nbytes <= end or int(message[end]) != INLINE_END:
+        raise ProtocolError(f"inline message shorter than its header and {n} payload bytes")
+    return message[FRAME_NBYTES:end]
+
+
+def copy_inline(buf: Any, data: np.ndarray) -> None:
+    """Copy an inline payload (host bytes) into the caller's receive buffer (host, or a
+    device buffer whose peer sent host memory)."""
+    if isinstance(buf, np.ndarray):
+        buf.reshape(-1).view(np.uint8)[...] = data
+        return
+    import cupy
+
+    cupy.asarray(buf).reshape(-1).view(cupy.uint8).set(data)
 
 
 def _check(body: bytes, key: bytes | None) -> bytes:

@@ -53,7 +53,18 @@ from ..errors import (
 from . import handshake as _hs
 from . import ucx as _ucx
 from .connection import MAX_WORLD_SIZE, MeshSetup
-from .frames import FRAME_NBYTES, AbortCode, Frame, Kind
+from .frames import (
+    FLAG_INLINE,
+    FRAME_NBYTES,
+    RECV_NBYTES,
+    AbortCode,
+    Frame,
+    Kind,
+    copy_inline,
+    inlinable,
+    inline_message,
+    inline_payload,
+)
 from .handshake import MAX_SLOTS, PHASE_HELLO, Auth, PairKeys, structured_tag
 from .progress import await_or_wake, post_recv, post_send
 from .rendezvous import default_host as _default_host  # noqa: F401 (tests import it here)
@@ -470,17 +481,25 @@ class Mesh(MeshSetup):
         payload: Any = None,
         extra: Iterable[asyncio.Future] = (),
     ) -> None:
-        """Send a header (and its payload, if any) tagged by the frame's seq/phase/slot."""
+        """Send a header (and its payload, if any) tagged by the frame's seq/phase/slot.
+
+        A small contiguous host payload travels in the header's message (FLAG_INLINE, see
+        :mod:`.frames`); device payloads and larger ones follow as a second message."""
+        if frame.flags & FLAG_INLINE:
+            raise ValueError(f"flags {frame.flags:#x}: bit {FLAG_INLINE:#x} is the transport's")
         if frame.comm != self.comm_id:
             frame = frame.with_(comm=self.comm_id)
         self.activity.sending(frame)
         key = self.peers[rank].keys.key  # type: ignore[union-attr]
-        head = np.frombuffer(frame.pack(key), np.uint8)
         what = f"sending phase {frame.phase} piece {frame.slot} of collective #{frame.seq}"
         tag = structured_tag(frame.seq, frame.phase, frame.slot, False)
         if payload is None or frame.payload == 0:
-            await self.send(rank, tag, head, what, extra)
+            await self.send(rank, tag, np.frombuffer(frame.pack(key), np.uint8), what, extra)
             return
+        if inlinable(payload, frame.payload):
+            await self.send(rank, tag, inline_message(frame, payload, key), what, extra)
+            return
+        head = np.frombuffer(frame.pack(key), np.uint8)
         await asyncio.gather(
             self.send(rank, tag, head, what, extra),
             self.send(rank, tag | 1, payload, what, extra),
@@ -496,12 +515,20 @@ class Mesh(MeshSetup):
         deadline: bool = True,
     ) -> Frame:
         """Receive and validate the header ``rank`` sent for (seq, phase, slot)
-        (``deadline=False``: wait without the per-wait deadline, see :meth:`_guard`)."""
-        buf = np.empty(FRAME_NBYTES, np.uint8)
+        (``deadline=False``: wait without the per-wait deadline, see :meth:`_guard`).
+
+        The receive has room for an inline payload (the sender decides, the header says,
+        see :mod:`.frames`); it is zeroed, so a message that ends early is seen. The
+        header is checked first, then the inline bound and end; the returned frame
+        carries the payload bytes in ``inline`` and no longer has FLAG_INLINE."""
+        buf = np.zeros(RECV_NBYTES, np.uint8)
         what = f"phase {phase} piece {slot} of collective #{seq}"
         tag = structured_tag(seq, phase, slot, False)
-        await self.recv(rank, tag, buf, what, extra, deadline)
-        key = self.peers[rank].keys.key  # type: ignore[union-attr]
+        p = self.peers[rank]
+        full = p.keys.rx ^ tag  # type: ignore[union-attr]
+        await self._guard(rank, lambda: post_recv(p.data, buf, full), what, extra, deadline)
+        self.stats.messages_received += 1
+        key = p.keys.key  # type: ignore[union-attr]
         try:
             frame = Frame.unpack(buf, job=self.job, key=key)
         except ProtocolError as exc:
@@ -527,11 +554,16 @@ class Mesh(MeshSetup):
                 )
             if frame.kind not in (Kind.DATA, Kind.SIG):
                 raise ProtocolError(f"unexpected frame kind {frame.kind} on the data channel")
+            inline = inline_payload(frame, buf)
         except ProtocolError as exc:
             err = ProtocolError(f"rank {self.rank}: malformed frame from rank {rank}: {exc}")
             self.lose(rank, err)
             raise _copy_error(err) from exc
-        return frame
+        if inline is None:
+            self.stats.bytes_received += FRAME_NBYTES
+            return frame
+        self.stats.bytes_received += FRAME_NBYTES + inline.nbytes + 1
+        return frame.with_(flags=frame.flags & ~FLAG_INLINE, inline=inline)
 
     async def recv_payload(
         self, rank: int, frame: Frame, buf: Any, extra: Iterable[asyncio.Future] = ()
@@ -545,6 +577,13 @@ class Mesh(MeshSetup):
             self.lose(rank, err)
             raise _copy_error(err)
         if frame.payload == 0:
+            return
+        if frame.inline is not None:
+            # What a separate payload receive would check first (_guard): the call's
+            # abort, then a failure seen since the header, win over the copy.
+            _raise_done(extra)
+            self.check()
+            copy_inline(buf, frame.inline)
             return
         tag = structured_tag(frame.seq, frame.phase, frame.slot, True)
         what = f"payload of phase {frame.phase} piece {frame.slot} of collective #{frame.seq}"
