@@ -110,7 +110,7 @@ def prepare_allreduce(
         raw=raw,
         avg=avg,
         acc_dtype=acc_dtype,
-        inplace=raw and acc_dtype == dtype,
+        inplace=acc_dtype == dtype,
         stochastic=bool(stochastic),
         seed=seed,
         algorithm=algo,

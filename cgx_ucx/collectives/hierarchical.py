@@ -211,7 +211,7 @@ def hierarchical_spec(
             plan=make_plan(shard_layout(layout, chunk), nodes, piece_numel, slots),
             avg=False,  # the owners divide by the world size once, after the cross stage
             acc_dtype=_accumulator_dtype(acc_dtype, base.raw),
-            inplace=base.raw and _accumulator_dtype(acc_dtype, base.raw) == acc_dtype,
+            inplace=_accumulator_dtype(acc_dtype, base.raw) == acc_dtype,
             algorithm=cross_algorithm,
         )
         for chunk in plan.chunks
