@@ -32,6 +32,7 @@ from cgx_ucx.collectives.hierarchical import hierarchical_scheme, shard_layout
 from cgx_ucx.collectives.plan import make_plan
 from cgx_ucx.errors import CollectiveMismatchError
 from cgx_ucx.layout import LayerSpec, Layout
+from cgx_ucx.transport import shm
 from cgx_ucx.transport.topology import HierarchyConfig, Topology
 
 pytestmark = pytest.mark.timeout(120)
@@ -44,9 +45,11 @@ def run_nodes(
     body: Any,
     hierarchy: HierarchyConfig | None = None,
     hierarchies: list[HierarchyConfig] | None = None,
+    payloads: Counter | None = None,
 ) -> tuple[list, Counter]:
     """``body(comm)`` on every rank of a fake job laid out as ``sizes``; per rank its result
-    or exception, and the (src, dst) pairs of every frame sent."""
+    or exception, and the (src, dst) pairs of every frame sent (``payloads``, if given,
+    counts the frames with a payload by (src, dst, payload bytes))."""
     topo = Topology.from_node_sizes(sizes)
     world = topo.world_size
     pairs: Counter = Counter()
@@ -60,6 +63,8 @@ def run_nodes(
 
             async def counted(rank, frame, payload=None, extra=(), _send=send, _src=t.rank):
                 pairs[(_src, rank)] += 1
+                if payloads is not None and payload is not None:
+                    payloads[(_src, rank, int(payload.nbytes))] += 1
                 await _send(rank, frame, payload, extra)
 
             t.send_frame = counted
@@ -236,6 +241,53 @@ def test_leader_scheme_crosses_nodes_between_leaders_only(layout):
     assert np.all(np.abs(results[0] - sum(x.astype(np.float64) for x in xs)) <= bound)
     leaders = Topology.from_node_sizes(sizes).leaders
     assert cross_pairs(sizes, pairs) == expected_cross(sizes, [leaders])
+
+
+@pytest.mark.parametrize("bits", [32, 4])
+@pytest.mark.parametrize("layout", ["2x2", "3+2"])
+def test_shared_memory_path_gives_the_same_bytes_and_keeps_them_off_the_transport(layout, bits):
+    """Node-local host bytes go through shared segments (only descriptors travel), and the
+    result is bit for bit the one of the UCX path, on every rank, over several calls (the
+    segments are reused)."""
+    sizes = LAYOUTS[layout]
+    n = 40_000
+
+    async def body(comm):
+        out = []
+        for i in range(3):
+            x = smooth_data(comm.rank + 10 * i, n)
+            await comm.allreduce(x, bits=bits, bucket_size=128, algorithm="hierarchical")
+            out.append(x)
+        return out
+
+    topo = Topology.from_node_sizes(sizes)
+    runs = {}
+    for shared in (True, False):
+        payloads: Counter = Counter()
+        results, _ = run_nodes(sizes, body, HierarchyConfig(intra_shm=shared), payloads=payloads)
+        runs[shared] = ok(results)
+        local = Counter()
+        for (a, d, nbytes), frames in payloads.items():
+            if topo.same_node(a, d):
+                local[nbytes] += frames
+        if shared:  # descriptors only
+            assert set(local) == {shm.DESCRIPTOR_NBYTES}, local
+        else:  # the values: at least one shard per node peer and call
+            assert sum(b * f for b, f in local.items()) >= 3 * n * 4 // max(sizes), local
+    for i in range(3):
+        assert_replicas_identical([r[i] for r in runs[True]])
+        for rank in range(sum(sizes)):
+            np.testing.assert_array_equal(runs[True][rank][i], runs[False][rank][i])
+
+
+def test_ranks_that_disagree_on_shared_memory_fail_with_a_mismatch():
+    async def body(comm):
+        x = smooth_data(comm.rank, 5000)
+        await comm.allreduce(x, algorithm="hierarchical")
+
+    configs = [HierarchyConfig(intra_shm=r != 1) for r in range(4)]
+    results, _ = run_nodes([2, 2], body, hierarchies=configs)
+    assert all(isinstance(r, CollectiveMismatchError) for r in results), results
 
 
 def test_ranks_that_disagree_on_the_scheme_fail_with_a_mismatch():

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..arrays import CODEC_DTYPES, check_seed
+from ..arrays import CODEC_DTYPES, check_seed, is_cupy
 from ..config import NO_COMPRESSION_BITS
 from ..errors import ConfigError
 from ..layout import Layout
@@ -110,14 +110,16 @@ def prepare_allreduce(
         raw=raw,
         avg=avg,
         acc_dtype=acc_dtype,
-        inplace=raw and acc_dtype == dtype,
+        inplace=acc_dtype == dtype,
         stochastic=bool(stochastic),
         seed=seed,
         algorithm=algo,
     )
     if scheme is not None:
         cross = Algo.SRA if topology.num_nodes <= SRA_MAX_WORLD else Algo.RING
-        spec = hierarchical_spec(spec, lay, topology, hierarchy, scheme, piece_numel, cross)
+        spec = hierarchical_spec(
+            spec, lay, topology, hierarchy, scheme, piece_numel, cross, host=not is_cupy(flat)
+        )
     template = make_template(
         Coll.ALLREDUCE,
         flat,

@@ -147,6 +147,7 @@ class Call:
         self.extra = (self.abort,)
         self.template: Frame | None = None
         self._taken: list[Any] = []
+        self._segments: list[Any] = []
 
     # -- staging ----------------------------------------------------------------------
     def take(self, nbytes: int, like: Any) -> Any:
@@ -155,11 +156,22 @@ class Call:
         self._taken.append(buf)
         return buf
 
+    def take_segment(self, nbytes: int) -> Any:
+        """A node-local shared segment (:mod:`cgx_ucx.transport.shm`) of at least
+        ``nbytes``, held until :meth:`give_back_all` (the collective's peers read it)."""
+        seg = self.pool.take_segment(nbytes)
+        self._segments.append(seg)
+        return seg
+
     def give_back_all(self) -> None:
-        """Return staging to the pool (only after success: UCX may still own it otherwise)."""
+        """Return staging to the pool (only after success: UCX may still own it otherwise,
+        and a peer may still read a shared segment)."""
         for buf in self._taken:
             self.pool.give(buf)
         self._taken.clear()
+        for seg in self._segments:
+            self.pool.give_segment(seg)
+        self._segments.clear()
 
     # -- frames -----------------------------------------------------------------------
     def frame(

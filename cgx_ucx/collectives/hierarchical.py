@@ -21,6 +21,17 @@ into ``S`` shards on bucket boundaries (:mod:`.plan`). On a rank of local index 
    uncompressed, to its node peers. Re-quantizing here would add a third rounding of
    values that already crossed the network quantized, to save node-local bytes only.
 
+Uncompressed node-local bytes of host buffers do not travel through UCX
+(``HierarchyConfig.intra_shm``, on by default): the sender copies them into a shared
+segment of its own (:mod:`cgx_ucx.transport.shm`) and sends a descriptor in their place;
+the receiver maps the segment and reads them in place (the owner adds its peers' pieces
+straight from their segments). A segment is only reused once its readers are done: an
+owner's shard bytes (step 3) are released when each node peer's DONE frame (phase 5)
+arrived, the pieces a rank sent in step 1 when the owners' step-3 frames arrived (an
+owner sends those only after it has added them). Same bytes, same order of additions:
+the replicas stay bit-identical either way. The shared path sets a signature flag, so
+ranks configured differently raise a mismatch instead of misreading each other.
+
 Every replica on every node thus ends with the bytes the shard's owners computed from one
 cross-node allreduce: bit-identical. Ranks of local index ``>= S`` (uneven nodes, e.g.
 the third rank of a 3 + 2 job, or every rank but the leader) only send in step 1 and
@@ -42,6 +53,7 @@ import numpy as np
 
 from ..errors import ConfigError, ProtocolError
 from ..layout import LayerSpec, Layout
+from ..transport import shm
 from ..transport.frames import Algo
 from ..transport.mesh import MAX_SLOTS
 from ..transport.topology import HierarchyConfig, Topology
@@ -56,7 +68,9 @@ from .subgroup import GroupView, StageCall
 
 __all__ = [
     "FLAG_INTRA_COMPRESS",
+    "FLAG_INTRA_SHM",
     "FLAG_LEADER",
+    "PH_HIER_DONE",
     "PH_HIER_GATHER",
     "HierarchicalSpec",
     "hierarchical",
@@ -67,10 +81,13 @@ __all__ = [
 
 #: Phase of step 3 (node-local allgather); steps 1 and 2 use the phases of SRA/ring.
 PH_HIER_GATHER = 4
+#: Phase of the shared-memory path's "done reading your shard" (node peer -> owner).
+PH_HIER_DONE = 5
 #: Signature flags (bit 0 is stochastic rounding): ranks that disagree on the scheme or
 #: on the intra-node compression would expect different messages, so both are signed.
 FLAG_LEADER = 2
 FLAG_INTRA_COMPRESS = 4
+FLAG_INTRA_SHM = 8
 
 
 @dataclass(frozen=True)
@@ -83,12 +100,14 @@ class HierarchicalSpec(AllreduceSpec):
     scheme: str = "sharded"  # or "leader" (one shard, owned by local rank 0)
     shards: int = 1
     intra_compress: bool = False
+    intra_shm: bool = False
     cross: tuple[AllreduceSpec, ...] = ()
 
     @property
     def flags(self) -> int:
         leader = FLAG_LEADER if self.scheme == "leader" else 0
-        return leader | (FLAG_INTRA_COMPRESS if self.intra_compress else 0)
+        shared = FLAG_INTRA_SHM if self.intra_shm else 0
+        return leader | shared | (FLAG_INTRA_COMPRESS if self.intra_compress else 0)
 
     def cross_group(self, local_index: int) -> tuple[int, ...]:
         """The ranks of local index ``local_index`` on every node (node order)."""
@@ -163,9 +182,11 @@ def hierarchical_spec(
     scheme: str,
     piece_numel: int,
     cross_algorithm: Algo,
+    host: bool = True,
 ) -> HierarchicalSpec:
     """The two-level spec of the allreduce ``base`` describes (``scheme`` from
-    :func:`hierarchical_scheme`; ``cross_algorithm`` SRA or ring for the node count)."""
+    :func:`hierarchical_scheme`; ``cross_algorithm`` SRA or ring for the node count;
+    ``host``: the buffer is in host memory, which node peers can share)."""
     hierarchy = hierarchy if hierarchy is not None else HierarchyConfig()
     if hierarchy.cross_reduction != "auto":
         cross_algorithm = Algo.SRA if hierarchy.cross_reduction == "sra" else Algo.RING
@@ -176,13 +197,21 @@ def hierarchical_spec(
     nodes = topology.num_nodes
     slots = MAX_SLOTS // max(nodes - 1, 1) if cross_algorithm == Algo.RING else MAX_SLOTS
     acc_dtype = base.acc_dtype
+    intra_compress = bool(hierarchy.intra_compress) and not base.raw
+    intra_shm = (
+        hierarchy.intra_shm
+        and hierarchy.intra_transport == "local"
+        and not intra_compress
+        and host
+        and shm.available()
+    )
     cross = tuple(
         replace(
             base,
             plan=make_plan(shard_layout(layout, chunk), nodes, piece_numel, slots),
             avg=False,  # the owners divide by the world size once, after the cross stage
             acc_dtype=_accumulator_dtype(acc_dtype, base.raw),
-            inplace=base.raw and _accumulator_dtype(acc_dtype, base.raw) == acc_dtype,
+            inplace=_accumulator_dtype(acc_dtype, base.raw) == acc_dtype,
             algorithm=cross_algorithm,
         )
         for chunk in plan.chunks
@@ -199,7 +228,8 @@ def hierarchical_spec(
         topology=topology,
         scheme=scheme,
         shards=shards,
-        intra_compress=bool(hierarchy.intra_compress) and not base.raw,
+        intra_compress=intra_compress,
+        intra_shm=intra_shm,
         cross=cross,
     )
 
@@ -222,6 +252,7 @@ class Hierarchical(PieceSteps):
         self.owners = list(range(min(spec.shards, self.node.world_size)))
         self.owns = self.local in self.owners
         self.intra_raw = not spec.intra_compress
+        self.shm = spec.intra_shm
         loop = asyncio.get_running_loop()
         own = self.plan.chunks[self.local].pieces if self.owns else ()
         #: Per (node peer, piece of our shard): the bytes it sent, once they arrived.
@@ -233,6 +264,10 @@ class Hierarchical(PieceSteps):
             f.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.problems: list[str] = []
         self.tasks: list[asyncio.Future] = []
+        #: The accumulator's shared segment (the owner's shard is read from it in step 3).
+        self.acc_segment: Any = None
+        #: The accumulator is empty: the first peer's piece is added to ``x`` into it.
+        self.fused = False
 
     async def run(self) -> None:
         try:
@@ -257,6 +292,7 @@ class Hierarchical(PieceSteps):
     # -- step 1: node-local reduce-scatter -----------------------------------------------
     async def scatter_send(self) -> None:
         node, x = self.node, self.x
+        segments = {j: self.segment(j) for j in self.others()} if self.shm else {}
         sends = []
         for k in range(self.plan.max_pieces):
             for j in self.others():
@@ -264,11 +300,44 @@ class Hierarchical(PieceSteps):
                 if k >= len(pieces):
                     continue
                 piece = pieces[k]
-                payload = (
-                    self.view(x, 0, piece) if self.intra_raw else await self.encode(x, 0, piece)
-                )
+                if self.shm:
+                    payload = self.share(segments[j], self.plan.chunks[j], piece)
+                elif self.intra_raw:
+                    payload = self.view(x, 0, piece)
+                else:
+                    payload = await self.encode(x, 0, piece)
                 sends.append(asyncio.ensure_future(node.send(j, PH_SIG, k, payload, len(pieces))))
         await gather_or_cancel(sends)
+
+    # -- the shared-memory path (host buffers, uncompressed node-local bytes) ------------
+    def segment(self, j: int) -> Any:
+        """A segment for owner ``j``'s whole shard (this call holds it until it ends)."""
+        return self.call.take_segment(self.plan.chunks[j].numel * self.dtype.itemsize)
+
+    def share(self, seg: Any, chunk: Chunk, piece: Any) -> Any:
+        """Copy ``piece`` of the caller's buffer into ``seg`` (laid out as ``chunk``);
+        returns the descriptor that a node peer reads it by."""
+        size = self.dtype.itemsize
+        offset, nbytes = (piece.start - chunk.start) * size, piece.numel * size
+        seg.array[offset : offset + nbytes] = self.view(self.x, 0, piece)
+        return seg.describe(offset, nbytes).pack()
+
+    async def recv_shared(self, peer: int, frame: Any, piece: Any) -> Any:
+        """The bytes of ``piece`` that node peer ``peer`` described in ``frame``'s
+        payload, read-only in its segment."""
+        real = self.node.view.real(peer)
+        if frame.payload != shm.DESCRIPTOR_NBYTES:
+            raise ProtocolError(
+                f"rank {real} sent {frame.payload} bytes where a shared-memory descriptor "
+                f"({shm.DESCRIPTOR_NBYTES}) was due"
+            )
+        raw = np.empty(shm.DESCRIPTOR_NBYTES, np.uint8)
+        await self.node.recv_payload(peer, frame, raw)
+        desc = shm.Descriptor.unpack(raw)
+        nbytes = piece.numel * self.dtype.itemsize
+        if desc.nbytes != nbytes:
+            raise ProtocolError(f"rank {real} described {desc.nbytes} bytes, {nbytes} expected")
+        return self.call.pool.peer_view(self.call.rank, real, desc)
 
     async def scatter_recv(self, p: int) -> None:
         node, pieces = self.node, self.plan.chunks[self.local].pieces
@@ -287,8 +356,11 @@ class Hierarchical(PieceSteps):
                             f"{len(pieces)} expected"
                         )
                     self.sigs[p].set_result(True)
-                buf = self.call.take(self.intra_nbytes(piece), self.x)
-                await node.recv_payload(p, frame, buf)
+                if self.shm:
+                    buf = await self.recv_shared(p, frame, piece)
+                else:
+                    buf = self.call.take(self.intra_nbytes(piece), self.x)
+                    await node.recv_payload(p, frame, buf)
                 self.arrived[(p, k)].set_result(buf)
         except BaseException as exc:
             for (q, _), f in self.arrived.items():
@@ -304,8 +376,18 @@ class Hierarchical(PieceSteps):
             return self.x[chunk.start : chunk.stop]
         if not chunk.numel:
             return self.xp.empty(0, spec.acc_dtype)
-        acc = self.call.take(chunk.numel * spec.acc_dtype.itemsize, self.x).view(spec.acc_dtype)
-        acc[...] = self.x[chunk.start : chunk.stop]
+        nbytes = chunk.numel * spec.acc_dtype.itemsize
+        same = spec.acc_dtype == self.dtype
+        if self.shm and same and self.node_peers:
+            # Its final bytes are the shard the node peers read in step 3: no extra copy.
+            self.acc_segment = self.call.take_segment(nbytes)
+            acc = self.acc_segment.array[:nbytes].view(spec.acc_dtype)
+        else:
+            acc = self.call.take(nbytes, self.x).view(spec.acc_dtype)
+        if same and self.intra_raw and self.node_peers:
+            self.fused = True  # x + the first peer's piece, straight into acc (one pass less)
+        else:
+            acc[...] = self.x[chunk.start : chunk.stop]
         return acc
 
     async def reduce_cross_and_send(self) -> None:
@@ -326,23 +408,42 @@ class Hierarchical(PieceSteps):
         else:
             await sra(group, acc, cross)
         self.finish(chunk, acc)
+        seg = self.acc_segment
+        if seg is None and self.shm and self.node_peers:
+            seg = self.segment(self.local)
         for k, piece in enumerate(chunk.pieces):
-            payload = byte_view(self.x[piece.start : piece.stop])
+            if seg is self.acc_segment and seg is not None:
+                size = self.dtype.itemsize
+                payload = seg.describe((piece.start - chunk.start) * size, piece.numel * size)
+                payload = payload.pack()
+            elif seg is not None:
+                payload = self.share(seg, chunk, piece)
+            else:
+                payload = byte_view(self.x[piece.start : piece.stop])
             for p in self.node_peers:
                 self.tasks.append(
                     asyncio.ensure_future(
                         self.node.send(p, PH_HIER_GATHER, k, payload, len(chunk.pieces))
                     )
                 )
+        if seg is not None:
+            # The segment is this call's until every reader said it is done with it.
+            self.tasks.extend(
+                asyncio.ensure_future(self.node.recv_header(p, PH_HIER_DONE, 0))
+                for p in self.node_peers
+            )
 
     async def reduce(self, chunk: Chunk, acc: Any) -> None:
         """acc += every node peer's pieces of our shard, peers in local-rank order."""
         base = chunk.start
         for k, piece in enumerate(chunk.pieces):
             a = acc[piece.start - base : piece.stop - base]
-            for p in self.node_peers:
+            for i, p in enumerate(self.node_peers):
                 buf = await self.arrived[(p, k)]
-                if self.intra_raw:
+                if self.fused and i == 0:
+                    src = self.x[piece.start : piece.stop]
+                    self.xp.add(src, buf.view(self.dtype), out=a)
+                elif self.intra_raw:
                     self.add_raw(a, buf, piece)
                 else:
                     await self.codec.run(
@@ -365,4 +466,10 @@ class Hierarchical(PieceSteps):
             frame = await self.node.recv_header(j, PH_HIER_GATHER, k)
             if frame.count != len(pieces):
                 raise ProtocolError(f"rank {self.node.view.real(j)} announced {frame.count} pieces")
-            await self.node.recv_payload(j, frame, self.x[piece.start : piece.stop])
+            if self.shm:
+                src = await self.recv_shared(j, frame, piece)
+                byte_view(self.x[piece.start : piece.stop])[...] = src
+            else:
+                await self.node.recv_payload(j, frame, self.x[piece.start : piece.stop])
+        if self.shm:
+            await self.node.send(j, PH_HIER_DONE, 0, None, 1)

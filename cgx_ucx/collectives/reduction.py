@@ -40,7 +40,10 @@ class AllreduceSpec:
     raw: bool  # every layer uncompressed: no codec, zero-copy sends
     avg: bool
     acc_dtype: np.dtype  # accumulator dtype
-    inplace: bool  # raw path accumulating straight into the caller's buffer
+    # Accumulate straight into the caller's buffer (its dtype is the accumulator's): the
+    # raw path, and the compressed one on float32, whose owner quantizes its reduced
+    # piece from there and decodes it back over the same values (encode, then decode).
+    inplace: bool
     stochastic: bool
     seed: int
     algorithm: Algo = Algo.SRA

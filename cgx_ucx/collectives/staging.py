@@ -15,6 +15,7 @@ import numpy as np
 
 from ..arrays import is_array, is_cupy, xp_of
 from ..errors import ConfigError
+from ..transport.shm import Descriptor, PeerSegments, Segment, SegmentPool
 
 __all__ = ["BufferPool", "as_flat", "byte_view", "synchronize"]
 
@@ -64,6 +65,23 @@ class BufferPool:
         self._free: dict[tuple[str, int], list[Any]] = defaultdict(list)
         self._idle_bytes = 0
         self._lock = threading.Lock()
+        #: Node-local shared memory (host buffers of the two-level allreduce): this
+        #: rank's segments, and the node peers' it has mapped.
+        self.segments = SegmentPool()
+        self._peer_segments: PeerSegments | None = None
+
+    def take_segment(self, nbytes: int) -> Segment:
+        """A shared segment of at least ``nbytes`` (:meth:`give_segment` it back)."""
+        return self.segments.take(nbytes)
+
+    def give_segment(self, seg: Segment) -> None:
+        self.segments.give(seg)
+
+    def peer_view(self, rank: int, peer: int, desc: Descriptor) -> Any:
+        """Node peer ``peer``'s bytes that ``desc`` names, mapped read-only (no copy)."""
+        if self._peer_segments is None:
+            self._peer_segments = PeerSegments(rank)
+        return self._peer_segments.view(peer, desc)
 
     def take(self, nbytes: int, like: Any) -> Any:
         """``nbytes`` of uint8 staging on ``like``'s device (contents undefined)."""
@@ -93,3 +111,6 @@ class BufferPool:
         with self._lock:
             self._free.clear()
             self._idle_bytes = 0
+        self.segments.clear()
+        if self._peer_segments is not None:
+            self._peer_segments.clear()

@@ -114,6 +114,9 @@ class StageCall(Call):
     def take(self, nbytes: int, like: Any) -> Any:
         return self.parent.take(nbytes, like)
 
+    def take_segment(self, nbytes: int) -> Any:
+        return self.parent.take_segment(nbytes)
+
     def give_back_all(self) -> None:
         """Nothing: the staging is the parent call's."""
 

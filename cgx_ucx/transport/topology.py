@@ -55,6 +55,7 @@ __all__ = [
     "ENV_INNER_REDUCTION",
     "ENV_INTRA_BROADCAST",
     "ENV_INTRA_COMPRESS",
+    "ENV_INTRA_SHM",
     "ENV_NODE_ID",
     "HierarchyConfig",
     "NodeHints",
@@ -73,6 +74,9 @@ ENV_CROSS_REDUCTION = "CGX_CROSS_REDUCTION_TYPE"
 ENV_INTRA_BROADCAST = "CGX_INTRA_BROADCAST"
 #: torch_cgx: 1 = quantize the intra-node traffic too.
 ENV_INTRA_COMPRESS = "CGX_INTRA_COMPRESS"
+#: Ours: 0 = node-local host bytes of the two-level allreduce go through UCX, not
+#: shared segments the node peers map (:mod:`cgx_ucx.transport.shm`).
+ENV_INTRA_SHM = "CGX_UCX_INTRA_SHM"
 
 #: The launcher's variables (torchrun's names).
 ENV_GROUP_RANK = "GROUP_RANK"
@@ -412,6 +416,10 @@ class HierarchyConfig:
     - ``intra_compress``: ``CGX_INTRA_COMPRESS``: quantize the intra-node traffic too.
       torch_cgx's default is 1; ours is off (the node-local link is rarely the bottleneck,
       and every quantization stage adds error).
+    - ``intra_shm``: ``CGX_UCX_INTRA_SHM``: uncompressed node-local host bytes go through
+      shared segments the node peers map and read in place (:mod:`.shm`; on by default,
+      where ``intra_transport`` is ``"local"``); off: through UCX's shared-memory
+      transport, about 20x slower here (UCX moves them in 8 KiB fragments).
     """
 
     scheme: str = "auto"
@@ -419,6 +427,7 @@ class HierarchyConfig:
     intra_reduction: str = "sra"
     cross_reduction: str = "auto"
     intra_compress: bool = False
+    intra_shm: bool = True
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -437,6 +446,8 @@ class HierarchyConfig:
             )
         if not isinstance(self.intra_compress, bool):
             raise ConfigError(f"intra_compress must be a bool, got {self.intra_compress!r}")
+        if not isinstance(self.intra_shm, bool):
+            raise ConfigError(f"intra_shm must be a bool, got {self.intra_shm!r}")
 
     def plan(self, topology: Topology) -> str:
         """The scheme this job runs on ``topology``: ``"flat"``, ``"sharded"`` or ``"leader"``.
@@ -499,6 +510,7 @@ def resolve_hierarchy(
         "intra_reduction": _env_choice(env, ENV_INNER_REDUCTION, _REDUCTION_NAMES),
         "cross_reduction": _env_choice(env, ENV_CROSS_REDUCTION, _REDUCTION_NAMES),
         "intra_compress": _env_flag(env, ENV_INTRA_COMPRESS),
+        "intra_shm": _env_flag(env, ENV_INTRA_SHM),
     }
     values = {k: v for k, v in from_env.items() if v is not None}
     values.update({k: v for k, v in kwargs.items() if v is not None})
