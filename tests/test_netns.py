@@ -198,7 +198,10 @@ def test_delay_without_netem_is_refused() -> None:
 
 
 _CRASHING_CHILD = """
-import os, sys, time
+import os, signal, sys, time
+# A suite started in the background (`cmd &` in a script) hands its children SIGINT
+# ignored, and the emulator rightly leaves an ignored signal alone: undo that here.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from cgx_ucx.bench.netns import LinkEmulator
 link = LinkEmulator(2, "1gbit", prefix=sys.argv[1])
 link.start()
