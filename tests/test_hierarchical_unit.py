@@ -307,3 +307,23 @@ def test_flat_and_hierarchical_ranks_fail_with_a_mismatch():
 
     results, _ = run_nodes([2, 2], body)
     assert all(isinstance(r, CollectiveMismatchError) for r in results), results
+
+
+def test_cross_stage_groups_use_disjoint_slots_and_cover_the_shard():
+    """Compressed shards cross nodes in up to CROSS_GROUPS groups of consecutive pieces,
+    each on its own slot range; uncompressed ones in one group."""
+    from cgx_ucx.collectives import allreduce as A
+    from cgx_ucx.collectives.hierarchical import CROSS_GROUPS
+
+    topo = Topology.from_node_sizes([2, 2])
+    for bits, expect in [(4, CROSS_GROUPS), (32, 1)]:
+        x = np.zeros(16 << 20, np.float32)
+        _, (_, spec) = A.prepare_allreduce(
+            x, world_size=4, bits=bits, algorithm="hierarchical", topology=topo
+        )
+        for chunk, groups in zip(spec.plan.chunks, spec.groups, strict=True):
+            assert len(groups) == expect
+            covered = [k for ks, _, _ in groups for k in ks]
+            assert covered == list(range(len(chunk.pieces)))
+            slots = [set(range(b, b + s.plan.max_pieces)) for _, s, b in groups]
+            assert sum(len(s) for s in slots) == len(set().union(*slots))

@@ -146,6 +146,9 @@ class Call:
         self.abort.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.extra = (self.abort,)
         self.template: Frame | None = None
+        #: Added to every slot this call sends and receives on (stages of one collective
+        #: that run at once on the same peers use disjoint slot ranges).
+        self.slot_base = 0
         self._taken: list[Any] = []
         self._segments: list[Any] = []
 
@@ -178,7 +181,9 @@ class Call:
         self, phase: int, slot: int, payload: int, count: int, kind: Kind = Kind.DATA
     ) -> Frame:
         assert self.template is not None
-        return self.template.with_(kind=kind, phase=phase, slot=slot, payload=payload, count=count)
+        return self.template.with_(
+            kind=kind, phase=phase, slot=slot + self.slot_base, payload=payload, count=count
+        )
 
     def fail(self, exc: CGXError) -> None:
         if not self.abort.done():
@@ -192,7 +197,9 @@ class Call:
 
     async def recv_header(self, peer: int, phase: int, slot: int, first: bool = False) -> Frame:
         """Receive the header of (phase, slot) from ``peer``; later ones must match exactly."""
-        frame = await self.transport.recv_frame(peer, self.seq, phase, slot, self.extra)
+        frame = await self.transport.recv_frame(
+            peer, self.seq, phase, slot + self.slot_base, self.extra
+        )
         assert self.template is not None
         if not first and frame.signature != self.template.signature:
             err = ProtocolError(
@@ -219,7 +226,9 @@ class Call:
         frame = first
         for slot in range(max(first.count, 1)):
             if slot:
-                frame = await self.transport.recv_frame(peer, self.seq, phase, slot, self.extra)
+                frame = await self.transport.recv_frame(
+                    peer, self.seq, phase, slot + self.slot_base, self.extra
+                )
             if frame.payload:
                 sink = np.empty(frame.payload, np.uint8)
                 await self.transport.recv_payload(peer, frame, sink, self.extra)
