@@ -157,7 +157,9 @@ def _cut_link_run(world: int, victim: int) -> tuple[float, list[dict], list[floa
 @needs_netns
 @pytest.mark.netns
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("world", [2, 3])
+# World 2 runs with -m slow only (the default suite's budget): world 3 covers the same
+# path (and the same defect) in the default run.
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])
 # Known defect, found and not fixed in session 3: every rank raises its typed error in
 # time, but in about half of the runs rank 0's process then does not exit within the
 # limit: ucxx's Endpoint finalizers (and the C++ destructors of requests still pending on
