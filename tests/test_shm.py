@@ -107,3 +107,18 @@ def test_an_unreachable_process_names_the_way_out():
         shm.PeerSegments(rank=0).view(3, gone)
     seg.close()
     assert os.path.isdir("/proc/self/fd")
+
+
+def test_mappings_are_bounded_in_count_and_bytes():
+    segs = [shm.Segment(1 << 16) for _ in range(5)]
+    peers = shm.PeerSegments(rank=0)
+    peers.MAX_MAPPED_BYTES = 3 << 16
+    views = [peers.view(1, s.describe(0, 8)) for s in segs]
+    assert len(peers._maps) == 3 and peers._bytes == 3 << 16
+    peers.MAX_MAPPED = 2
+    peers.view(1, segs[0].describe(0, 8))  # mapped again: the oldest two go
+    assert len(peers._maps) == 2
+    assert all(v.nbytes == 8 and int(v.sum()) == 0 for v in views)  # evicted: still readable
+    peers.clear()
+    for s in segs:
+        s.close()

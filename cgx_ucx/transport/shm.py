@@ -196,16 +196,20 @@ class SegmentPool:
 class PeerSegments:
     """The node peers' segments this rank has mapped (read-only), by (peer, pid, serial).
 
-    At most :attr:`MAX_MAPPED` stay mapped; the least recently used goes first (a view
-    still in use keeps its mapping alive until it is dropped).
+    At most :attr:`MAX_MAPPED` segments and :attr:`MAX_MAPPED_BYTES` stay mapped (the
+    newest always does); the least recently used goes first. A mapping keeps the peer's
+    pages alive after the peer dropped the segment, hence the byte bound. A view still in
+    use keeps its mapping until it is dropped.
     """
 
     MAX_MAPPED = 64
+    MAX_MAPPED_BYTES = 2 << 30
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self._maps: collections.OrderedDict[tuple[int, int, int], tuple[mmap.mmap, np.ndarray]]
         self._maps = collections.OrderedDict()
+        self._bytes = 0
 
     def view(self, peer: int, desc: Descriptor) -> np.ndarray:
         """The ``desc.nbytes`` bytes ``desc`` names, read-only, without a copy."""
@@ -214,10 +218,14 @@ class PeerSegments:
         if entry is None:
             entry = self._open(peer, desc)
             self._maps[key] = entry
-            while len(self._maps) > self.MAX_MAPPED:
+            self._bytes += len(entry[0])
+            while len(self._maps) > 1 and (
+                len(self._maps) > self.MAX_MAPPED or self._bytes > self.MAX_MAPPED_BYTES
+            ):
                 _, old = self._maps.popitem(last=False)
                 mapped = old[0]
                 del old  # drop our array first: its export would keep the map open
+                self._bytes -= len(mapped)
                 _close_map(mapped)
         else:
             self._maps.move_to_end(key)
@@ -252,6 +260,7 @@ class PeerSegments:
     def clear(self) -> None:
         maps = [m for m, _ in self._maps.values()]
         self._maps.clear()
+        self._bytes = 0
         for m in maps:
             _close_map(m)
 
