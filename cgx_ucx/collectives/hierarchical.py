@@ -93,15 +93,14 @@ FLAG_INTRA_SHM = 8
 @dataclass(frozen=True)
 class HierarchicalSpec(AllreduceSpec):
     """An :class:`AllreduceSpec` for two levels. ``plan`` cuts the buffer into the
-    ``shards``; ``cross[j]`` is the spec of shard ``j``'s cross-node allreduce (its plan
-    cuts the shard among the nodes)."""
+    ``shards``; ``groups[j]`` is shard ``j``'s cross-node allreduce, as one or more groups
+    of its pieces (each group's spec has a plan cutting those pieces among the nodes)."""
 
     topology: Topology | None = None
     scheme: str = "sharded"  # or "leader" (one shard, owned by local rank 0)
     shards: int = 1
     intra_compress: bool = False
     intra_shm: bool = False
-    cross: tuple[AllreduceSpec, ...] = ()
     #: Per shard, the cross-node stage cut into consecutive groups of its pieces, each its
     #: own allreduce on its own slots, started as soon as the node reduced its pieces:
     #: (pieces of the shard, the group's spec, first slot). See :func:`cross_groups`.
@@ -196,24 +195,22 @@ def cross_groups(
     never take each other's frames. Ring keeps one group (its slots are taken by steps).
     """
     n = len(chunk.pieces)
+    whole = ((range(n), spec, 0),)  # ``spec`` already plans the whole shard
     # Uncompressed shards keep one group: the link is their bound, and several
     # rendezvous transfers at once on one endpoint measured slower (2 x 2 at 1 Gbit/s,
     # 64 MiB float32: 981-1098 ms with 4 groups against 769-871 with one).
     count = min(CROSS_GROUPS, n) if spec.algorithm == Algo.SRA and not spec.raw else 1
+    if count <= 1:
+        return whole
     groups: list[tuple[range, AllreduceSpec, int]] = []
     base = 0
-    for g in range(max(count, 1)):
-        ks = range(g * n // max(count, 1), (g + 1) * n // max(count, 1))
-        if count <= 1 or not n:
-            ks, sub = range(n), chunk
-        else:
-            sub = sub_chunk(chunk, ks)
-        plan = make_plan(shard_layout(layout, sub), nodes, piece_numel, slots)
+    for g in range(count):
+        ks = range(g * n // count, (g + 1) * n // count)
+        plan = make_plan(shard_layout(layout, sub_chunk(chunk, ks)), nodes, piece_numel, slots)
         groups.append((ks, replace(spec, plan=plan), base))
         base += plan.max_pieces
-    if base > slots:  # too many pieces to give every group its own slots: one group
-        return ((range(n), spec, 0),)
-    return tuple(groups)
+    # Too many pieces to give every group its own slots: one group.
+    return tuple(groups) if base <= slots else whole
 
 
 def _accumulator_dtype(dtype: np.dtype, raw: bool) -> np.dtype:
@@ -283,7 +280,6 @@ def hierarchical_spec(
         shards=shards,
         intra_compress=intra_compress,
         intra_shm=intra_shm,
-        cross=cross,
         groups=groups,
     )
 
@@ -368,13 +364,18 @@ class Hierarchical(PieceSteps):
         """A segment for owner ``j``'s whole shard (this call holds it until it ends)."""
         return self.call.take_segment(self.plan.chunks[j].numel * self.dtype.itemsize)
 
+    def describe(self, seg: Any, chunk: Chunk, piece: Any) -> Any:
+        """The packed descriptor of ``piece`` in ``seg`` (laid out as ``chunk``)."""
+        size = self.dtype.itemsize
+        return seg.describe((piece.start - chunk.start) * size, piece.numel * size).pack()
+
     def share(self, seg: Any, chunk: Chunk, piece: Any) -> Any:
         """Copy ``piece`` of the caller's buffer into ``seg`` (laid out as ``chunk``);
         returns the descriptor that a node peer reads it by."""
         size = self.dtype.itemsize
-        offset, nbytes = (piece.start - chunk.start) * size, piece.numel * size
-        seg.array[offset : offset + nbytes] = self.view(self.x, 0, piece)
-        return seg.describe(offset, nbytes).pack()
+        offset = (piece.start - chunk.start) * size
+        seg.array[offset : offset + piece.numel * size] = self.view(self.x, 0, piece)
+        return self.describe(seg, chunk, piece)
 
     async def recv_shared(self, peer: int, frame: Any, piece: Any) -> Any:
         """The bytes of ``piece`` that node peer ``peer`` described in ``frame``'s
@@ -485,10 +486,8 @@ class Hierarchical(PieceSteps):
         self.finish(sub, a)
         for k in ks:
             piece = chunk.pieces[k]
-            if seg is self.acc_segment and seg is not None:
-                size = self.dtype.itemsize
-                payload = seg.describe((piece.start - chunk.start) * size, piece.numel * size)
-                payload = payload.pack()
+            if seg is not None and seg is self.acc_segment:
+                payload = self.describe(seg, chunk, piece)  # the final bytes are there
             elif seg is not None:
                 payload = self.share(seg, chunk, piece)
             else:

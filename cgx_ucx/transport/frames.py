@@ -39,7 +39,7 @@ Layout, little-endian, ``struct`` format ``<4sBBBBQIIHHIBBBBIQQQ16s``::
     33  B   bits          uniform bits of the layout, MIXED_BITS when layers differ
     34  B   algorithm     Algo (sra, ring, direct)
     35  B   flags         bits 0-6 signed by the collective (bit 0 stochastic rounding,
-                          bits 1-2 the hierarchical scheme); bit 7 FLAG_INLINE (wire
+                          bits 1-3 the hierarchical scheme); bit 7 FLAG_INLINE (wire
                           only, cleared before the signature is compared): see above
     36  I   count         pieces the sender sends in this (phase, destination) stream,
                           or the root of a broadcast, or the peer an ABORT names
@@ -103,7 +103,7 @@ assert _BODY.size == 64 and FRAME_NBYTES == 80
 MAX_PAYLOAD_NBYTES = 1 << 34
 #: ``flags`` bit of a frame whose payload follows the header in the same message. The
 #: top bit: the lower ones are the collectives' own signed flags (hierarchical.py uses
-#: bits 1 and 2), which must never set it.
+#: bits 1 to 3), which must never set it.
 FLAG_INLINE = 0x80
 #: Largest payload sent inline. Every data-channel header receive is posted with room
 #: for it (the receiver cannot know beforehand), so it stays small: above it the extra

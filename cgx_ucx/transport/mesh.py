@@ -468,10 +468,23 @@ class Mesh(MeshSetup):
         deadline: bool = True,
     ) -> None:
         """Receive into ``buf`` from ``rank`` on ``tag`` under the pair's prefix."""
+        await self._recv_message(rank, tag, buf, what, extra, deadline)
+        self.stats.bytes_received += _nbytes(buf)
+
+    async def _recv_message(
+        self,
+        rank: int,
+        tag: int,
+        buf: Any,
+        what: str,
+        extra: Iterable[asyncio.Future],
+        deadline: bool,
+    ) -> None:
+        """One message into ``buf`` (counted; its bytes are the caller's to count: a
+        header receive has room for more than arrives)."""
         p = self.peers[rank]
         full = p.keys.rx ^ tag  # type: ignore[union-attr]
         await self._guard(rank, lambda: post_recv(p.data, buf, full), what, extra, deadline)
-        self.stats.bytes_received += _nbytes(buf)
         self.stats.messages_received += 1
 
     async def send_frame(
@@ -524,11 +537,8 @@ class Mesh(MeshSetup):
         buf = np.zeros(RECV_NBYTES, np.uint8)
         what = f"phase {phase} piece {slot} of collective #{seq}"
         tag = structured_tag(seq, phase, slot, False)
-        p = self.peers[rank]
-        full = p.keys.rx ^ tag  # type: ignore[union-attr]
-        await self._guard(rank, lambda: post_recv(p.data, buf, full), what, extra, deadline)
-        self.stats.messages_received += 1
-        key = p.keys.key  # type: ignore[union-attr]
+        await self._recv_message(rank, tag, buf, what, extra, deadline)
+        key = self.peers[rank].keys.key  # type: ignore[union-attr]
         try:
             frame = Frame.unpack(buf, job=self.job, key=key)
         except ProtocolError as exc:

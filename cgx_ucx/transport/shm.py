@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import itertools
 import mmap
 import os
@@ -59,8 +60,10 @@ MIN_SEGMENT = 1 << 16
 MAX_SEGMENT = 1 << 40
 
 
+@functools.cache
 def available() -> bool:
-    """Whether this process can create segments a node peer could map (Linux)."""
+    """Whether this process can create segments a node peer could map (Linux; asked
+    once: every two-level allreduce's spec asks)."""
     return hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
 
 
