@@ -1,12 +1,11 @@
 """Node-local shared memory for host buffers: staging a peer maps instead of receiving.
 
 Why: with UCX's peer error handling on (our failure detection needs it), ranks of one
-node move host memory through UCX's ``posix``/``sysv`` FIFOs in 8 KiB fragments, both
-sides progressing every fragment. Measured here (UCX 1.21, ``ucx_perftest tag_bw``,
-32 MiB): 250 MB/s over ``posix``, 1.27 GB/s over ``cma`` (which UCX leaves out under
-error handling), against 5.4 GB/s for one ``memcpy`` of the same bytes. The two-level
-allreduce moves the whole buffer through the node twice (issue 11), so it used shared
-memory from the start, but only as fast as those FIFOs.
+node move host memory through UCX's ``posix``/``sysv`` FIFOs fragment by fragment, both
+sides progressing each one, inside a job whose ranks also run the codec. Measured with
+``python -m cgx_ucx.bench nodes`` (2 x 2 ranks, 1 Gbit/s, 64 MiB, 4 bits): the two-level
+allreduce took 308 ms that way and 209 ms with the segments below
+(benchmarks/results/issue11_session4/).
 
 Here a rank writes what a node peer needs into a *segment* of its own (a ``memfd``,
 anonymous: nothing in ``/dev/shm`` to leak when a rank dies), and sends the peer a

@@ -419,7 +419,7 @@ class HierarchyConfig:
     - ``intra_shm``: ``CGX_UCX_INTRA_SHM``: uncompressed node-local host bytes go through
       shared segments the node peers map and read in place (:mod:`.shm`; on by default,
       where ``intra_transport`` is ``"local"``); off: through UCX's shared-memory
-      transport, about 20x slower here (UCX moves them in 8 KiB fragments).
+      transport (2 x 2 ranks, 64 MiB at 4 bits: 308 ms against 209 with segments).
     """
 
     scheme: str = "auto"
