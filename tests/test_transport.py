@@ -459,3 +459,39 @@ def test_default_host_unwraps_prefix_stores(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", addr)
     assert store_host(DirStore.__new__(DirStore)) is None
     assert _default_host(torch_dist.HashStore()) == addr
+
+
+# -- UCX context lifetime -----------------------------------------------------------------
+
+
+async def context_kept_while_referenced(ctx):
+    """A listener left open (what a cancelled handshake can leave behind) keeps the UCX
+    context alive through release(); once it is gone the next release resets UCX."""
+    ucxx = ucx_env.acquire("blocking")
+    listener = ucxx.create_listener(lambda ep: None)
+    ucx_env.release()
+    kept = ucxx.core._ctx is not None
+    listener.close()
+    del listener
+    again = ucx_env.acquire("blocking")
+    assert again is ucxx
+    ucx_env.release()
+    reset = ucxx.core._ctx is None
+    # A parked listener (a communicator that gave up connecting) stays open, and keeps
+    # the context, until its deadline; the first release after it closes both.
+    ucxx = ucx_env.acquire("blocking")
+    ucx_env.park_listener(ucxx.create_listener(lambda ep: None), 0.3)
+    ucx_env.release()
+    parked_kept = ucxx.core._ctx is not None
+    await asyncio.sleep(0.4)
+    ucx_env.acquire("blocking")
+    ucx_env.release()
+    return kept, reset, parked_kept, ucxx.core._ctx is None
+
+
+def test_release_keeps_a_context_that_is_still_referenced():
+    ((kept, reset, parked_kept, parked_reset),) = run_ranks(
+        context_kept_while_referenced, 1, timeout=60
+    )
+    assert kept and reset
+    assert parked_kept and parked_reset

@@ -64,6 +64,7 @@ class MeshSetup:
     _loop: asyncio.AbstractEventLoop | None
     _failed: asyncio.Future | None
     _accepted: dict[int, asyncio.Future]
+    _published: set[int]
     _closing: bool
     _tasks: set[asyncio.Task]
     _setup_tasks: set[asyncio.Future]
@@ -163,7 +164,10 @@ class MeshSetup:
         await rdzv.publish(addr)
         if self.world_size == 1:
             return
-        peers = {r: await rdzv.peer(r) for r in self.peers}
+        peers = {}
+        for r in self.peers:
+            peers[r] = await rdzv.peer(r)
+            self._published.add(r)
         # Ranks on this kernel (codec threads share its cores), not the topology's node.
         self.local_ranks = sorted(
             [self.rank, *(r for r, a in peers.items() if a.node == addr.node)]

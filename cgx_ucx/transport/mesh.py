@@ -98,6 +98,9 @@ MAX_EARLY_ABORT_FRAMES = 64
 #: How long abort() waits for connection handshakes in flight inside ucxx's listener to
 #: end (a dialer that gave up makes them fail at once) before giving up on them.
 LISTENER_SETTLE_S = 2.0
+#: How long the listener of a communicator that gave up connecting stays open after
+#: its connect timeout, for peers still dialing it (see transport.ucx.park_listener).
+LISTENER_PARK_MARGIN_S = 5.0
 
 
 @dataclass
@@ -175,6 +178,8 @@ class Mesh(MeshSetup):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._failed: asyncio.Future | None = None
         self._accepted: dict[int, asyncio.Future] = {}
+        #: Peers whose address we read at connect: only they can be dialing our listener.
+        self._published: set[int] = set()
         self._closing = False
         self._closed = False
         self._bye_fut: asyncio.Future | None = None
@@ -665,12 +670,14 @@ class Mesh(MeshSetup):
                     with contextlib.suppress(Exception):
                         ep.abort(period=ABORT_PERIOD_NS)
             p.data = p.ctrl = None
+        # Peers that published their address but never reached us may be dialing us.
+        dialers = any(not f.done() and r in self._published for r, f in self._accepted.items())
         for fut in self._accepted.values():
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 with contextlib.suppress(Exception):
                     fut.result()[0].abort(period=ABORT_PERIOD_NS)
             fut.cancel()
-        settled = await self._settle_listener()
+        settled = await self._settle_listener(park=dialers)
         # Let UCX run the callbacks of what was just cancelled before the context goes.
         await asyncio.sleep(0)
         self._closed = True
@@ -678,12 +685,16 @@ class Mesh(MeshSetup):
             self._ucxx = None
             _ucx.release(reset=settled)
 
-    async def _settle_listener(self) -> bool:
+    async def _settle_listener(self, park: bool = False) -> bool:
         """Close the listener once no connection handshake is in flight inside ucxx
         (bounded by LISTENER_SETTLE_S); False when one still is (UCX must not be reset:
-        resetting under a half-made endpoint crashed the process)."""
+        resetting under a half-made endpoint crashed the process). ``park``: peers may
+        still dial it, so it stays open for a while (transport.ucx.park_listener)."""
         listener, self._listener = self._listener, None
         if listener is None:
+            return True
+        if park:
+            _ucx.park_listener(listener, self.config.connect_timeout + LISTENER_PARK_MARGIN_S)
             return True
         end = time.monotonic() + LISTENER_SETTLE_S
         while listener.active_clients and time.monotonic() < end:

@@ -29,10 +29,12 @@ running gets the running one (logged).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -80,6 +82,9 @@ _lock = threading.Lock()
 _users = 0
 _owned = False  # True when the running UCXX context was started by us
 _memtype_cache_user_set: bool | None = None
+#: Listeners of communicators that gave up connecting, kept open until a peer still
+#: dialing them has given up too: (monotonic deadline, listener). See park_listener().
+_parked: list[tuple[float, Any]] = []
 _rndv_thresh_user_set: bool | None = None
 
 
@@ -149,6 +154,34 @@ def _drop_stale_memtype_cache(ucxx: Any) -> None:
         os.environ.pop("UCX_MEMTYPE_CACHE", None)
 
 
+def park_listener(listener: Any, hold_s: float) -> None:
+    """Keep ``listener`` open for ``hold_s`` seconds instead of closing it now.
+
+    For a communicator that failed to connect while peers may still be dialing it: UCX
+    1.21 crashes (SIGSEGV on its async thread, in ``ucp_cm_server_conn_request_cb``) when
+    a listener is destroyed between accepting a peer's TCP connection and receiving
+    that peer's connection request. A parked listener goes on answering (the
+    communicator's accept handler refuses what arrives) and keeps the context alive;
+    it is closed by the first :func:`acquire` or :func:`release` after its deadline."""
+    with _lock:
+        _parked.append((time.monotonic() + hold_s, listener))
+
+
+def _close_expired_listeners() -> None:
+    """Close the parked listeners past their deadline (with _lock held)."""
+    now = time.monotonic()
+    keep = []
+    for deadline, listener in _parked:
+        if deadline > now:
+            keep.append((deadline, listener))
+            continue
+        try:
+            listener.close()
+        except Exception as exc:  # pragma: no cover - ucxx close of a dead worker
+            log.debug("closing a parked UCX listener: %s", exc)
+    _parked[:] = keep
+
+
 def acquire(progress_mode: str, ucx_env: Mapping[str, str] | None = None) -> Any:
     """Start (or join) the process's UCXX context; returns the ucxx module.
 
@@ -156,6 +189,7 @@ def acquire(progress_mode: str, ucx_env: Mapping[str, str] | None = None) -> Any
     """
     global _users, _owned
     with _lock:
+        _close_expired_listeners()
         ucxx = ucxx_module()
         ctx = getattr(ucxx.core, "_ctx", None)
         if ctx is None:
@@ -223,6 +257,18 @@ def _stop_progress_tasks(ucxx: Any) -> None:
     tasks.clear()
 
 
+def _context_holders(ucxx: Any) -> list[str]:
+    """What, besides ucxx itself, still references the running application context
+    (an endpoint or listener a cancelled handshake left behind), described briefly."""
+    core = getattr(ucxx, "core", None)
+    ctx = getattr(core, "_ctx", None)
+    if ctx is None:
+        return []
+    gc.collect()
+    own = vars(core)
+    return [f"{type(r).__name__} {str(r)[:80]}" for r in gc.get_referrers(ctx) if r is not own]
+
+
 def release(reset: bool = True) -> None:
     """Drop one user; the last one shuts the context down (when we started it).
 
@@ -241,6 +287,15 @@ def release(reset: bool = True) -> None:
             return
         ucxx = sys.modules.get("ucxx")
         if ucxx is None:
+            return
+        _close_expired_listeners()
+        holders = _context_holders(ucxx)
+        if holders:
+            # ucxx.reset() would drop its handle and leave this context to be destroyed
+            # whenever the holder goes, under the next context's workers: that crashed
+            # a rank (SIGSEGV) after a failed connect on a loaded machine. Keep it; the
+            # next acquire() reuses it, as after reset=False.
+            log.info("UCX context kept: still referenced by %s", "; ".join(holders))
             return
         _progress.uninstall_all()
         _stop_progress_tasks(ucxx)
