@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import fcntl
 import inspect
 import multiprocessing as mp
@@ -196,6 +197,8 @@ def _child(
     conn: mp.connection.Connection,
 ) -> None:
     os.environ.update(env)
+    # A crash in native code (UCX) prints every thread's Python stack to stderr.
+    faulthandler.enable(all_threads=True)
     start = time.perf_counter()
     ctx = RankContext(
         rank, world_size, DirStore(os.path.join(shared_dir, "store")), shared_dir, deadline
@@ -253,7 +256,27 @@ def _context() -> Any:
     ctx = mp.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(["_preload"])
+        _start_forkserver()
     return ctx
+
+
+def _start_forkserver() -> None:
+    """Start the fork server with this directory importable, so that it finds
+    ``_preload``: Python 3.11's fork server ignores the sys.path it is handed and
+    silently skips a preload module it cannot import (every rank then paid for
+    ``import torch`` itself)."""
+    from multiprocessing import forkserver
+
+    here = str(Path(__file__).resolve().parent)
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, old) if p)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if old is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = old
 
 
 def run_ranks(
