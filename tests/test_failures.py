@@ -147,6 +147,43 @@ def test_local_argument_error_aborts_the_others():
         assert kind == "CollectiveMismatchError" and elapsed < CFG.timeout / 2
 
 
+async def aborts_a_finished_call_then_closes(ctx):
+    """Rank 1 gives up a collective that rank 0 had already finished (its ABORT arrives
+    after the fact), then closes: rank 0's next call names the abort's reason, not
+    only the close."""
+    from cgx_ucx.transport.frames import AbortCode
+
+    comm = await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG)
+    await comm.allreduce(np.ones(100, np.float32))
+    seq = comm._seq - 1  # the call both ranks just finished
+    if ctx.rank == 0:
+        ctx.store.set("finished", "1")
+    if ctx.rank == 1:
+        await _key(ctx.store, "finished")  # rank 0 is past it: the ABORT comes late
+        await comm._mesh.broadcast_abort(
+            seq, AbortCode.LOCAL, 1, "decoding failed after the exchange"
+        )
+        await comm.close()
+        ctx.store.set("closed", "1")
+        return seq, ""
+    await _key(ctx.store, "closed")
+    await asyncio.sleep(0.5)
+    try:
+        await comm.allreduce(np.ones(100, np.float32))
+        return seq, "no error"
+    except PeerLostError as exc:
+        return seq, str(exc)
+    finally:
+        await comm.close()
+
+
+@pytest.mark.timeout(60)
+def test_abort_of_a_finished_call_is_named_when_the_peer_closes():
+    (seq, text), _ = run_ranks(aborts_a_finished_call_then_closes, 2, timeout=50)
+    assert "rank 1 closed its communicator" in text, text
+    assert f"after aborting collective #{seq}: decoding failed after the exchange" in text, text
+
+
 async def silent_peer(ctx):
     cfg = CommConfig(timeout=2.0, connect_timeout=30.0)
     comm = await connect(ctx.store, ctx.rank, ctx.world_size, config=cfg)

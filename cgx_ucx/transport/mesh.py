@@ -122,7 +122,7 @@ class TransportStats:
 
 
 class _Peer:
-    __slots__ = ("bye", "ctrl", "ctrl_task", "data", "keys", "lost", "rank", "status")
+    __slots__ = ("aborted", "bye", "ctrl", "ctrl_task", "data", "keys", "lost", "rank", "status")
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -133,6 +133,9 @@ class _Peer:
         self.lost: CGXError | None = None
         self.bye = False
         self.status: asyncio.Future | None = None  # a STATUS answer being waited for
+        #: What the peer's last ABORT said ("collective #n: reason"): a peer that gives
+        #: up a call we had already finished, then closes, is reported with its reason.
+        self.aborted = ""
 
 
 def _copy_error(exc: CGXError) -> CGXError:
@@ -236,9 +239,10 @@ class Mesh(MeshSetup):
             return
         if p.bye or self._bye_fut is not None:
             # A clean close: later collectives report it, nothing to warn about now.
-            self.lose(
-                rank, PeerLostError(f"rank {rank} closed its communicator", peer=rank), quiet=True
-            )
+            text = f"rank {rank} closed its communicator"
+            if p.aborted:
+                text += f" after aborting {p.aborted}"
+            self.lose(rank, PeerLostError(text, peer=rank), quiet=True)
         else:
             self.lose(rank, PeerLostError(f"rank {rank} is gone ({how})", peer=rank))
 
@@ -311,6 +315,7 @@ class Mesh(MeshSetup):
             self._bye_seen()
         elif frame.kind == Kind.ABORT:
             self._aborts += 1
+            p.aborted = f"collective #{frame.seq}: {reason or f'abort code {frame.phase}'}"
             if self._on_abort is not None:
                 self._on_abort(frame, reason)
             elif len(self._early_aborts) < MAX_EARLY_ABORT_FRAMES:
