@@ -512,7 +512,12 @@ asyncio.run(main())
 @needs_netns
 @pytest.mark.netns
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("force_tcp", [True, False], ids=["UCX_TLS=tcp", "UCX_TLS-unset"])
+# UCX_TLS=tcp (the user forcing TCP) takes 14 s more: run with -m slow.
+@pytest.mark.parametrize(
+    "force_tcp",
+    [pytest.param(True, marks=pytest.mark.slow), False],
+    ids=["UCX_TLS=tcp", "UCX_TLS-unset"],
+)
 def test_flat_allreduce_on_two_nodes_crosses_the_link(force_tcp: bool) -> None:
     """2 nodes x 2 ranks, the existing flat allreduce of 4 MiB (float32, exact).
 
