@@ -82,10 +82,10 @@ _lock = threading.Lock()
 _users = 0
 _owned = False  # True when the running UCXX context was started by us
 _memtype_cache_user_set: bool | None = None
+_rndv_thresh_user_set: bool | None = None
 #: Listeners of communicators that gave up connecting, kept open until a peer still
 #: dialing them has given up too: (monotonic deadline, listener). See park_listener().
 _parked: list[tuple[float, Any]] = []
-_rndv_thresh_user_set: bool | None = None
 
 
 def apply_env_defaults(extra: Mapping[str, str] | None = None) -> dict[str, str]:
