@@ -4,8 +4,9 @@
 # 1. installs what is missing (numpy numba ml_dtypes cupy-cuda12x pytest ...) with pip,
 # 2. runs the GPU tests with CGX_UCX_REQUIRE_GPU=1 (a missing GPU fails, not skips): the
 #    codec's (the ``gpu`` cases of tests/test_codec.py), the NVRTC kernel tests, and the
-#    engine's collectives on CuPy buffers between two processes on one GPU (cuda_ipc); there
-#    is no torch CUDA test yet to add,
+#    engine's collectives on CuPy buffers between two processes on one GPU (cuda_ipc), and
+#    the torch backend and DDP hook on CUDA tensors (tests/test_torch_cuda.py, when torch
+#    is installed),
 # 3. prints GPU encode/decode/decode_add throughput next to a device-to-device copy and
 #    writes benchmarks/results/gpu_codec.json (+ gpu_tests.txt); copies both to $OUT when set.
 # The package runs from this checkout (PYTHONPATH), nothing is installed for it.
@@ -41,7 +42,7 @@ echo "== tests (CGX_UCX_REQUIRE_GPU=1)"
 # GPU-only tests) and the collectives on CuPy buffers; then the NVRTC kernel tests, whole.
 {
   CGX_UCX_REQUIRE_GPU=1 $PY -m pytest -q -p no:cacheprovider -o addopts="" -m gpu \
-    tests/test_codec.py tests/test_collectives_gpu.py
+    tests/test_codec.py tests/test_collectives_gpu.py tests/test_torch_cuda.py
   codec_rc=$?
   CGX_UCX_REQUIRE_GPU=1 $PY -m pytest -q -p no:cacheprovider -o addopts="" \
     tests/test_kernels_nvrtc.py

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib
 import os
 from pathlib import Path
 
@@ -28,18 +29,18 @@ class NvrtcError(CodecError):
 
 def _candidates() -> list[str]:
     found = []
-    try:
-        import nvidia.cuda_nvrtc as pkg  # the PyPI wheel: nvidia/cuda_nvrtc/lib/
-
+    # The PyPI wheels: nvidia/cuda_nvrtc/lib/ (CUDA 12), nvidia/cu13/lib/ (CUDA 13).
+    for module in ("nvidia.cuda_nvrtc", "nvidia.cu13"):
+        try:
+            pkg = importlib.import_module(module)
+        except ImportError:
+            continue
         for root in pkg.__path__:
             lib = Path(root) / "lib"
             found += [str(p) for p in sorted(lib.glob("libnvrtc.so*")) if ".alt." not in p.name]
-    except ImportError:
-        pass
-    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if cuda_home:
-        found += [str(Path(cuda_home) / "lib64" / "libnvrtc.so")]
-    return [*found, "libnvrtc.so.12", "libnvrtc.so"]
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    found += [str(Path(cuda_home) / "lib64" / "libnvrtc.so")]
+    return [*found, "libnvrtc.so.12", "libnvrtc.so.13", "libnvrtc.so"]
 
 
 @functools.lru_cache(maxsize=1)
