@@ -171,6 +171,15 @@ class FakeTransport:
         self.stats.messages_received += 1
         self.stats.bytes_received += data.nbytes
 
+    async def exchange_frames(
+        self, frame: Frame, payload: Any, peers: Iterable[int], extra: Iterable[asyncio.Future] = ()
+    ) -> list[Frame]:
+        peers, extra = list(peers), tuple(extra)
+        for p in peers:
+            await self.send_frame(p, frame, payload, extra)
+        # payloads stay queued apart, as the mesh's non-inline ones: recv_payload takes them
+        return [await self.recv_frame(p, frame.seq, frame.phase, frame.slot, extra) for p in peers]
+
     async def broadcast_abort(self, seq: int, code: AbortCode, peer: int, reason: str) -> None:
         frame = Frame(kind=Kind.ABORT, job=self.job, seq=seq, src=self.rank, phase=code, count=peer)
         loop = asyncio.get_running_loop()

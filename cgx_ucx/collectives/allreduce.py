@@ -79,11 +79,59 @@ def prepare_allreduce(
     seed: int = 0,
     topology: Any = None,
     hierarchy: Any = None,
+    cache: dict | None = None,
 ) -> tuple[Frame, tuple[Any, AllreduceSpec]]:
     """Check an allreduce's arguments (ConfigError for the first bad one) and return its
     signature frame and what :func:`run_allreduce` needs: the flat view of ``x`` and the
-    spec. Arguments as for :meth:`~.communicator.Communicator.allreduce`."""
+    spec. Arguments as for :meth:`~.communicator.Communicator.allreduce`.
+
+    ``cache``: a dict owned by the caller for one world size, topology and hierarchy
+    (a communicator's), where the frame and spec of each call are kept by its arguments:
+    a training loop repeats the same small calls, and building the plan and signature
+    again is a good part of such a call's cost."""
     flat = as_flat(x)
+    key = _cache_key(flat, op, layout, bits, bucket_size, algorithm, stochastic, seed, cache)
+    if key is not None:
+        hit = cache.get(key)  # type: ignore[union-attr]
+        if hit is not None:
+            return hit[0], (flat, hit[1])
+    template, spec = _prepare(
+        flat, op, world_size, layout, bits, bucket_size, algorithm, stochastic, seed, topology,
+        hierarchy
+    )  # fmt: skip
+    if key is not None:
+        if len(cache) >= PREPARED_CACHE_SIZE:  # type: ignore[arg-type]
+            del cache[next(iter(cache))]  # type: ignore[union-attr,arg-type]
+        cache[key] = (template, spec)  # type: ignore[index]
+    return template, (flat, spec)
+
+
+#: Argument sets a communicator keeps prepared (oldest dropped first).
+PREPARED_CACHE_SIZE = 64
+
+
+def _cache_key(
+    flat: Any, op: Any, layout: Any, bits: Any, bucket_size: Any, algorithm: Any,
+    stochastic: Any, seed: Any, cache: dict | None,
+) -> tuple | None:  # fmt: skip
+    """The cache key of these arguments, None when they are not cached: no cache, or a
+    value of an unexpected type (left to the checks, which name it). A Layout is frozen
+    and compares by value, so an equal one built anew for each call still hits."""
+    if cache is None or (layout is not None and type(layout) is not Layout):
+        return None
+    if type(op) is not str or type(algorithm) is not str or type(bucket_size) is not int:
+        return None
+    if type(seed) is not int or (bits is not None and type(bits) is not int):
+        return None
+    return (flat.size, flat.dtype, is_cupy(flat), op, layout, bits, bucket_size, algorithm,
+            bool(stochastic), seed)  # fmt: skip
+
+
+def _prepare(
+    flat: Any, op: str, world_size: int, layout: Layout | None, bits: int | None,
+    bucket_size: int, algorithm: str, stochastic: bool, seed: int, topology: Any,
+    hierarchy: Any,
+) -> tuple[Frame, AllreduceSpec]:  # fmt: skip
     if op not in ("sum", "avg"):
         raise ConfigError(f"op must be 'sum' or 'avg', got {op!r}")
     lay = _layout(flat.size, layout, bits, bucket_size)
@@ -129,7 +177,7 @@ def prepare_allreduce(
         flags=(1 if stochastic and lay.compressed else 0) | getattr(spec, "flags", 0),
         digest=lay.digest,
     )
-    return template, (flat, spec)
+    return template, spec
 
 
 async def run_allreduce(call: Call, state: tuple[Any, AllreduceSpec]) -> None:

@@ -195,6 +195,18 @@ class Call:
             peer, self.frame(phase, slot, nbytes, count), payload if nbytes else None, self.extra
         )
 
+    async def exchange(
+        self, peers: list[int], phase: int, slot: int, payload: Any, count: int
+    ) -> list[Frame]:
+        """Send (phase, slot) with ``payload`` to every peer and receive theirs, in one round
+        (:meth:`~.transport.Transport.exchange_frames`); the headers come back unchecked
+        against our signature (:meth:`check_first` does that), in ``peers`` order."""
+        nbytes = 0 if payload is None else int(payload.nbytes)
+        frame = self.frame(phase, slot, nbytes, count)
+        return await self.transport.exchange_frames(
+            frame, payload if nbytes else None, peers, self.extra
+        )
+
     async def recv_header(self, peer: int, phase: int, slot: int, first: bool = False) -> Frame:
         """Receive the header of (phase, slot) from ``peer``; later ones must match exactly."""
         frame = await self.transport.recv_frame(

@@ -138,6 +138,8 @@ class Communicator:
         self._seq = 1  # 0 is the connection handshake
         self._calls: dict[int, Call] = {}
         self._early: collections.OrderedDict[int, CGXError] = collections.OrderedDict()
+        #: prepare_allreduce results by argument set (see its ``cache``).
+        self._prepared: dict = {}
         self._pool = BufferPool()
         self._codec = CodecRunner()
         self._closed = False
@@ -341,6 +343,7 @@ class Communicator:
                 seed=seed,
                 topology=getattr(self._mesh, "topology", None),
                 hierarchy=getattr(self._mesh, "hierarchy", None),
+                cache=self._prepared,
             ),
             run_allreduce,
         )

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ProtocolError
+from ..transport.frames import Frame, inlinable
 from .call import PH_SIG, Call, gather_or_cancel
 from .piece_codec import decode_add_piece
 from .reduction import AllreduceSpec, PieceSteps
@@ -58,12 +59,19 @@ class Oneshot(PieceSteps):
         own = self.view(x, 0, piece) if self.spec.raw else await self.encode(x, 0, piece)
         # Our sends are awaited with the receives: on the raw path they read the caller's
         # buffer, which the reduction below overwrites.
-        await gather_or_cancel(
-            [
-                *(call.send(p, PH_SIG, 0, own, 1) for p in self.peers),
-                *(self.receive(p) for p in self.peers),
-            ]
-        )
+        if inlinable(own, int(own.nbytes)):
+            # Small host buffers: every send and header receive posted at once, under one
+            # guard; the payloads arrive inside the headers.
+            frames = await call.exchange(self.peers, PH_SIG, 0, own, 1)
+            for p, frame in zip(self.peers, frames, strict=True):
+                await self.accept(p, frame)
+        else:
+            await gather_or_cancel(
+                [
+                    *(call.send(p, PH_SIG, 0, own, 1) for p in self.peers),
+                    *(self.receive(p) for p in self.peers),
+                ]
+            )
         call.raise_mismatches(sorted(self.problems))
         # Every signature matched: from here on we may write into the caller's buffer.
         self.got[self.rank] = own
@@ -75,8 +83,12 @@ class Oneshot(PieceSteps):
 
     async def receive(self, p: int) -> None:
         """Peer ``p``'s whole contribution, after checking its signature."""
+        frame = await self.call.recv_header(p, PH_SIG, 0, first=True)
+        await self.accept(p, frame)
+
+    async def accept(self, p: int, frame: Frame) -> None:
+        """Check peer ``p``'s first header against our signature, then take its payload."""
         call = self.call
-        frame = await call.recv_header(p, PH_SIG, 0, first=True)
         problem = await call.check_first(p, frame)
         if problem:
             self.problems.append(problem)

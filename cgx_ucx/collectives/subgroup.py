@@ -91,6 +91,12 @@ class GroupView:
     ) -> None:
         await self.base.recv_payload(self.ranks[rank], frame, buf, extra)
 
+    async def exchange_frames(
+        self, frame: Frame, payload: Any, peers: Iterable[int], extra: Iterable[asyncio.Future] = ()
+    ) -> list[Frame]:
+        real = [self.ranks[r] for r in peers]
+        return await self.base.exchange_frames(frame, payload, real, extra)
+
     async def broadcast_abort(self, seq: int, code: AbortCode, peer: int, reason: str) -> None:
         # An abort concerns the whole collective: every rank of the job hears it.
         await self.base.broadcast_abort(seq, code, self.ranks[peer], reason)

@@ -104,6 +104,14 @@ class Transport(Protocol):
         """Receive the payload ``frame`` announced into ``buf`` (uint8, exactly its size)."""
         ...
 
+    async def exchange_frames(
+        self, frame: Frame, payload: Any, peers: Iterable[int], extra: Iterable[asyncio.Future] = ()
+    ) -> list[Frame]:
+        """Send ``frame`` (and ``payload``) to every rank of ``peers`` and return the header
+        each of them sent for the same (seq, phase, slot), in ``peers`` order: one round,
+        as :meth:`send_frame` to each and :meth:`recv_frame` from each would do."""
+        ...
+
     async def broadcast_abort(self, seq: int, code: AbortCode, peer: int, reason: str) -> None:
         """Best effort: tell every peer that this rank gave up collective ``seq``."""
         ...

@@ -16,6 +16,7 @@ loop). :class:`~cgx_ucx.torch.backend.ProcessGroupCGX` wraps it into a Work.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -143,6 +144,15 @@ def _sums(t: torch.Tensor, op: Any) -> bool:
     return False
 
 
+@functools.lru_cache(maxsize=256)
+def _one_layer(numel: int, cfg: CompressionConfig | None) -> Layout:
+    """The layout of a one-tensor all_reduce (``cfg`` None: uncompressed). Cached: a
+    training loop repeats the same calls, and a Layout is immutable."""
+    if cfg is None:
+        return Layout.uniform(numel)
+    return Layout.from_sizes([numel], cfg)
+
+
 def allreduce_into(
     g: GroupView, t: torch.Tensor, op: Any, cfg: CompressionConfig
 ) -> tuple[concurrent.futures.Future[Any], Callable[[], None]]:
@@ -154,14 +164,10 @@ def allreduce_into(
     op = red_op(op)
     if _sums(t, op):
         arr = as_array(t.view(-1))  # complex: 2 floats per value
-        if is_float(t) and cfg.enabled:
-            layout = Layout.from_sizes([arr.size], cfg)
-        else:
-            layout = Layout.uniform(arr.size)
         cf = g.comm.allreduce(
             arr,
             op="avg" if op == _RedOp.AVG else "sum",
-            layout=layout,
+            layout=_one_layer(arr.size, cfg if is_float(t) and cfg.enabled else None),
             stochastic=cfg.stochastic,
             seed=cfg.seed,
         )

@@ -548,6 +548,10 @@ class Mesh(MeshSetup):
         what = f"phase {phase} piece {slot} of collective #{seq}"
         tag = structured_tag(seq, phase, slot, False)
         await self._recv_message(rank, tag, buf, what, extra, deadline)
+        return self._parse_frame(rank, buf, seq, phase, slot)
+
+    def _parse_frame(self, rank: int, buf: np.ndarray, seq: int, phase: int, slot: int) -> Frame:
+        """The header received from ``rank`` in ``buf``, checked (see :meth:`recv_frame`)."""
         key = self.peers[rank].keys.key  # type: ignore[union-attr]
         try:
             frame = Frame.unpack(buf, job=self.job, key=key)
@@ -584,6 +588,111 @@ class Mesh(MeshSetup):
             return frame
         self.stats.bytes_received += FRAME_NBYTES + inline.nbytes + 1
         return frame.with_(flags=frame.flags & ~FLAG_INLINE, inline=inline)
+
+    async def exchange_frames(
+        self,
+        frame: Frame,
+        payload: Any,
+        peers: Iterable[int],
+        extra: Iterable[asyncio.Future] = (),
+    ) -> list[Frame]:
+        """Send ``frame`` (with ``payload``, if any) to every rank of ``peers`` and receive
+        the header each of them sent for the same (seq, phase, slot), in one round: the
+        latency path of small collectives. Every send and receive is posted at once and
+        awaited under one guard (deadline, loss of a peer, the collective's abort), not
+        one task and one guard per operation. Checks, errors and statistics are those of
+        :meth:`send_frame` and :meth:`recv_frame`; a payload that cannot go inline
+        follows as a second message, as there. Returns the headers in ``peers`` order."""
+        peers = list(peers)
+        if frame.flags & FLAG_INLINE:
+            raise ValueError(f"flags {frame.flags:#x}: bit {FLAG_INLINE:#x} is the transport's")
+        if frame.comm != self.comm_id:
+            frame = frame.with_(comm=self.comm_id)
+        extra = tuple(extra)
+        _raise_done(extra)
+        self.check()
+        self.activity.sending(frame)
+        nbytes = 0 if payload is None else frame.payload
+        inline = nbytes > 0 and inlinable(payload, nbytes)
+        tag = structured_tag(frame.seq, frame.phase, frame.slot, False)
+        what = f"phase {frame.phase} piece {frame.slot} of collective #{frame.seq}"
+        sending = "sending " + what
+        ops: list[tuple[int, str, asyncio.Future]] = []
+        bufs: list[np.ndarray] = []
+        sent = 0
+        errors = _ucx.errors()
+        for rank in peers:
+            p = self.peers[rank]
+            keys = p.keys
+            assert keys is not None
+            try:
+                if inline:
+                    msgs = [inline_message(frame, payload, keys.key)]
+                else:
+                    msgs = [np.frombuffer(frame.pack(keys.key), np.uint8)]
+                    if nbytes:
+                        msgs.append(payload)
+                for i, msg in enumerate(msgs):
+                    fut = _as_future(post_send(p.data, msg, keys.tx ^ (tag | i)))
+                    ops.append((rank, sending, fut))
+                    sent += _nbytes(msg)
+                buf = np.zeros(RECV_NBYTES, np.uint8)
+                ops.append((rank, what, _as_future(post_recv(p.data, buf, keys.rx ^ tag))))
+            except errors as exc:
+                self._cancel_ops(ops)
+                return self._op_failed(rank, what, exc)
+            bufs.append(buf)
+        await self._await_ops(ops, extra)
+        stats = self.stats
+        stats.messages_received += len(bufs)
+        stats.messages_sent += len(ops) - len(bufs)
+        stats.bytes_sent += sent
+        seq, phase, slot = frame.seq, frame.phase, frame.slot
+        return [self._parse_frame(r, b, seq, phase, slot) for r, b in zip(peers, bufs, strict=True)]
+
+    @staticmethod
+    def _cancel_ops(ops: list[tuple[int, str, Any]]) -> None:
+        for _, _, fut in ops:
+            if not fut.done():
+                fut.cancel()
+
+    async def _await_ops(self, ops: list[tuple[int, str, Any]], extra: tuple) -> None:
+        """Wait for every posted operation of :meth:`exchange_frames`: one deadline for
+        all, woken by the first failure, the mesh's failure or the collective's abort;
+        errors as :meth:`_guard` raises them."""
+        loop = self._loop
+        assert loop is not None
+        pending = [fut for _, _, fut in ops if not fut.done()]
+        if pending:
+            all_done = loop.create_future()
+            left = len(pending)
+
+            def one(fut: asyncio.Future) -> None:
+                nonlocal left
+                left -= 1
+                failed = fut.cancelled() or fut.exception() is not None
+                if (left == 0 or failed) and not all_done.done():
+                    all_done.set_result(None)
+
+            for fut in pending:
+                fut.add_done_callback(one)
+            ok = await await_or_wake(all_done, (self.failed_future, *extra), self.config.timeout)
+            if not ok:
+                late = next(((r, w) for r, w, fut in ops if not fut.done()), ops[0][:2])
+                self._cancel_ops(ops)
+                _raise_done(extra)
+                if self.failed_future.done():
+                    self.check()
+                raise _copy_error(await self._timed_out(*late))
+        errors = _ucx.errors()
+        for rank, op_what, fut in ops:
+            exc = fut.exception() if fut.done() and not fut.cancelled() else None
+            if exc is not None:
+                self._cancel_ops(ops)
+                _raise_done(extra)
+                if isinstance(exc, errors):
+                    self._op_failed(rank, op_what, exc)
+                raise exc
 
     async def recv_payload(
         self, rank: int, frame: Frame, buf: Any, extra: Iterable[asyncio.Future] = ()
@@ -714,6 +823,11 @@ def _raise_done(futures: Iterable[asyncio.Future]) -> None:
         if f.done():
             exc = f.exception()
             raise _copy_error(exc) if isinstance(exc, CGXError) else TransportError(str(exc))
+
+
+def _as_future(op: Any) -> asyncio.Future:
+    """A posted operation as a future (ucxx's own coroutine when no driver is installed)."""
+    return op if asyncio.isfuture(op) else asyncio.ensure_future(op)
 
 
 def _consume(fut: asyncio.Future) -> None:
