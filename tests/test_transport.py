@@ -318,6 +318,8 @@ def test_tcp_only_transports_send_eagerly(monkeypatch, tls, eager):
     """TCP-only: UCX_RNDV_THRESH=inf (rendezvous handshakes queued behind bulk data
     halved two-way throughput); never with other transports, never over the user's."""
     monkeypatch.delenv("UCX_RNDV_THRESH", raising=False)
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"):  # one node
+        monkeypatch.delenv(name, raising=False)
     if tls is None:
         monkeypatch.delenv("UCX_TLS", raising=False)
     else:
@@ -325,6 +327,35 @@ def test_tcp_only_transports_send_eagerly(monkeypatch, tls, eager):
     applied = ucx_env.apply_env_defaults()
     assert ("UCX_RNDV_THRESH" in applied) == eager
     assert os.environ.get("UCX_RNDV_THRESH") == ("inf" if eager else None)
+    monkeypatch.setenv("UCX_RNDV_THRESH", "64K")
+    assert "UCX_RNDV_THRESH" not in ucx_env.apply_env_defaults()
+    assert os.environ["UCX_RNDV_THRESH"] == "64K"
+
+
+@pytest.mark.parametrize(
+    "launcher,multi",
+    [
+        ({}, False),  # no launcher
+        ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0"}, False),
+        ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"}, True),
+        ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "3", "GROUP_RANK": "0"}, True),  # 3 + 1
+        ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "3"}, True),
+        ({"WORLD_SIZE": "four", "LOCAL_WORLD_SIZE": "2"}, False),  # malformed: left alone
+    ],
+)
+def test_multi_node_jobs_send_compressed_pieces_eagerly(monkeypatch, launcher, multi):
+    """Several nodes per the launcher: UCX_RNDV_THRESH set (inf without a GPU, a finite
+    threshold above every compressed piece with one); never over the user's value."""
+    monkeypatch.delenv("UCX_RNDV_THRESH", raising=False)
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in launcher.items():
+        monkeypatch.setenv(name, value)
+    expected = ucx_env.GPU_MULTI_NODE_RNDV_THRESH if os.path.exists("/dev/nvidiactl") else "inf"
+    assert ucx_env.multi_node_defaults() == ({"UCX_RNDV_THRESH": expected} if multi else {})
+    applied = ucx_env.apply_env_defaults()
+    assert applied.get("UCX_RNDV_THRESH") == (expected if multi else None)
     monkeypatch.setenv("UCX_RNDV_THRESH", "64K")
     assert "UCX_RNDV_THRESH" not in ucx_env.apply_env_defaults()
     assert os.environ["UCX_RNDV_THRESH"] == "64K"

@@ -357,6 +357,9 @@ class Hierarchical(PieceSteps):
                 else:
                     payload = await self.encode(x, 0, piece)
                 sends.append(asyncio.ensure_future(node.send(j, PH_SIG, k, payload, len(pieces))))
+                # Let the send go out before the next piece is copied or encoded: the
+                # owner starts reducing piece k while we prepare k + 1.
+                await asyncio.sleep(0)
         await gather_or_cancel(sends)
 
     # -- the shared-memory path (host buffers, uncompressed node-local bytes) ------------
@@ -465,6 +468,9 @@ class Hierarchical(PieceSteps):
             stages.append(
                 asyncio.ensure_future(self.cross_and_send(chunk, acc, ks, cross, group, seg))
             )
+            # The reduce above does not suspend when the node's pieces are already here:
+            # let this group start across nodes before the next group is reduced.
+            await asyncio.sleep(0)
         await gather_or_cancel(stages)
         if seg is not None:
             # The segment is this call's until every reader said it is done with it.
@@ -516,6 +522,9 @@ class Hierarchical(PieceSteps):
                     await self.codec.run(
                         piece.numel, decode_add_piece, buf, piece, acc, base, self.dtype
                     )
+            # Pieces that arrived already do not suspend the loop above: yield, so the
+            # groups started across nodes keep their transfers going meanwhile.
+            await asyncio.sleep(0)
 
     def finish(self, chunk: Chunk, acc: Any) -> None:
         """The shard's final values into the caller's buffer (averaged if asked)."""
