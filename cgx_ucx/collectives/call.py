@@ -196,13 +196,19 @@ class Call:
         )
 
     async def exchange(
-        self, peers: list[int], phase: int, slot: int, payload: Any, count: int
+        self,
+        peers: list[int],
+        phase: int,
+        slot: int,
+        payload: Any,
+        count: int,
+        kind: Kind = Kind.DATA,
     ) -> list[Frame]:
         """Send (phase, slot) with ``payload`` to every peer and receive theirs, in one round
         (:meth:`~.transport.Transport.exchange_frames`); the headers come back unchecked
         against our signature (:meth:`check_first` does that), in ``peers`` order."""
         nbytes = 0 if payload is None else int(payload.nbytes)
-        frame = self.frame(phase, slot, nbytes, count)
+        frame = self.frame(phase, slot, nbytes, count, kind)
         return await self.transport.exchange_frames(
             frame, payload if nbytes else None, peers, self.extra
         )
@@ -268,16 +274,9 @@ class Call:
         """Phase 1 for every collective but SRA allreduce: SIG frames all-to-all."""
         peers = list(self.transport.peers)
         problems: list[str] = []
-
-        async def one(p: int) -> None:
-            frame = await self.recv_header(p, PH_SIG, 0, first=True)
+        frames = await self.exchange(peers, PH_SIG, 0, None, 1, Kind.SIG)
+        for p, frame in zip(peers, frames, strict=True):
             problem = await self.check_first(p, frame)
             if problem:
                 problems.append(problem)
-
-        sends = [
-            self.transport.send_frame(p, self.frame(PH_SIG, 0, 0, 1, Kind.SIG), None, self.extra)
-            for p in peers
-        ]
-        await gather_or_cancel([*sends, *(one(p) for p in peers)])
         self.raise_mismatches(sorted(problems))
