@@ -147,6 +147,40 @@ def test_local_argument_error_aborts_the_others():
         assert kind == "CollectiveMismatchError" and elapsed < CFG.timeout / 2
 
 
+async def cancelled_while_waiting(ctx):
+    async with await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG) as comm:
+        x = np.ones(1000, np.float32)  # small: the one-round path, every op posted at once
+        start = time.monotonic()
+        if ctx.rank == 0:
+            # Rank 1 has not called yet: our receive is posted and waiting when cancelled.
+            task = asyncio.ensure_future(comm.allreduce(x))
+            await asyncio.sleep(0.5)
+            task.cancel()
+            try:
+                await task
+                kind = "no error"
+            except asyncio.CancelledError:
+                kind = "CancelledError"
+            # The peer must hear why before we close.
+            await asyncio.sleep(1.0)
+        else:
+            await asyncio.sleep(1.0)
+            try:
+                await comm.allreduce(x)
+                kind = "no error"
+            except Exception as exc:
+                kind = f"{type(exc).__name__}: {exc}"
+        return kind, time.monotonic() - start
+
+
+@pytest.mark.timeout(60)
+def test_a_cancelled_small_call_raises_cancelled_and_aborts_the_peer():
+    (kind0, _), (kind1, elapsed1) = run_ranks(cancelled_while_waiting, 2, timeout=50)
+    assert kind0 == "CancelledError"
+    assert kind1.startswith("CollectiveMismatchError") and "rank 0 aborted" in kind1, kind1
+    assert "cancelled" in kind1 and elapsed1 < CFG.timeout / 2, (kind1, elapsed1)
+
+
 async def aborts_a_finished_call_then_closes(ctx):
     """Rank 1 gives up a collective that rank 0 had already finished (its ABORT arrives
     after the fact), then closes: rank 0's next call names the abort's reason, not

@@ -676,7 +676,13 @@ class Mesh(MeshSetup):
 
             for fut in pending:
                 fut.add_done_callback(one)
-            ok = await await_or_wake(all_done, (self.failed_future, *extra), self.config.timeout)
+            try:
+                ok = await await_or_wake(
+                    all_done, (self.failed_future, *extra), self.config.timeout
+                )
+            except BaseException:  # cancelled from outside: nobody waits for them now
+                self._cancel_ops(ops)
+                raise
             if not ok:
                 late = next(((r, w) for r, w, fut in ops if not fut.done()), ops[0][:2])
                 self._cancel_ops(ops)
@@ -686,7 +692,14 @@ class Mesh(MeshSetup):
                 raise _copy_error(await self._timed_out(*late))
         errors = _ucx.errors()
         for rank, op_what, fut in ops:
-            exc = fut.exception() if fut.done() and not fut.cancelled() else None
+            if not fut.done():  # woken by another operation's failure, found below
+                continue
+            if fut.cancelled():  # by the driver closing under us
+                self._cancel_ops(ops)
+                _raise_done(extra)
+                self.check()
+                raise TransportError(f"{op_what} with rank {rank} was cancelled")
+            exc = fut.exception()
             if exc is not None:
                 self._cancel_ops(ops)
                 _raise_done(extra)
