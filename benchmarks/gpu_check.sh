@@ -10,8 +10,9 @@
 # 3. prints GPU encode/decode/decode_add throughput next to a device-to-device copy and
 #    writes benchmarks/results/gpu_codec.json (+ gpu_tests.txt); copies both to $OUT when set.
 # The package runs from this checkout (PYTHONPATH), nothing is installed for it.
-# PYTHON selects the interpreter (default: python3). Exit status: non-zero if a test failed
-# or GPU bytes differ from the CPU's.
+# PYTHON selects the interpreter (default: python3); WHEELHOUSE a folder of wheels to
+# install from instead of the index (machines without network). Exit status: non-zero if
+# a test failed or GPU bytes differ from the CPU's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -27,8 +28,17 @@ for spec in numpy:numpy numba:numba ml_dtypes:ml_dtypes "cupy:cupy-cuda12x>=13" 
   $PY -c "import $mod" 2>/dev/null || need+=("$pkg")
 done
 if ((${#need[@]})); then
-  echo "== pip install ${need[*]}"
-  $PY -m pip install --quiet "${need[@]}" || { echo "cannot install ${need[*]}"; exit 3; }
+  # WHEELHOUSE: a folder of wheels for a machine without network (pip download them
+  # elsewhere for its Python and platform; ucxx-cu12 needs libucxx-cu12, libucx-cu12,
+  # librmm-cu12 and rapids-logger too).
+  if [ -n "${WHEELHOUSE:-}" ]; then
+    echo "== pip install --no-index --no-deps $WHEELHOUSE/*.whl (missing: ${need[*]})"
+    $PY -m pip install --quiet --no-index --no-deps "$WHEELHOUSE"/*.whl \
+      || { echo "cannot install the wheels of $WHEELHOUSE"; exit 3; }
+  else
+    echo "== pip install ${need[*]}"
+    $PY -m pip install --quiet "${need[@]}" || { echo "cannot install ${need[*]}"; exit 3; }
+  fi
 fi
 # CuPy compiles kernels with NVRTC: take it from pip when no CUDA toolkit provides it
 if ! $PY -c "import cupy; cupy.cuda.nvrtc.getVersion()" 2>/dev/null; then
