@@ -352,6 +352,36 @@ async def malformed_frame(ctx, algorithm):
             return "ProtocolError", str(exc), time.monotonic() - start, mesh.peers[1].lost
 
 
+async def malformed_while_a_peer_is_late(ctx):
+    from cgx_ucx.transport.frames import FRAME_NBYTES
+
+    async with await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG) as comm:
+        await comm.barrier()
+        mesh = comm._mesh
+        x = np.ones(100, np.float32)  # small: one round, every receive posted at once
+        if ctx.rank == 1:
+            junk = np.frombuffer(os.urandom(FRAME_NBYTES), np.uint8).copy()
+            await mesh.send(0, mesh.tag(comm._seq, 1, 1, 0, False), junk, "junk")
+        elif ctx.rank == 2:
+            await asyncio.sleep(6.0)  # late, but well inside the timeout
+        start = time.monotonic()
+        try:
+            await comm.allreduce(x)
+            kind = "no error"
+        except Exception as exc:
+            kind = type(exc).__name__
+        return kind, time.monotonic() - start
+
+
+@pytest.mark.timeout(60)
+def test_malformed_header_fails_the_round_before_a_late_peer_arrives():
+    """Rank 0 checks each header of a one-round call as it arrives: rank 1's junk fails
+    the call at once, not once the late rank 2 has sent its own header."""
+    results = run_ranks(malformed_while_a_peer_is_late, 3, timeout=50)
+    kind0, elapsed0 = results[0]
+    assert kind0 == "ProtocolError" and elapsed0 < 3.0, results[0]
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("algorithm", ["sra", "oneshot"])
 def test_malformed_frame_is_protocol_error_on_both_ranks(algorithm):

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import struct
 import time
@@ -618,6 +619,7 @@ class Mesh(MeshSetup):
         what = f"phase {frame.phase} piece {frame.slot} of collective #{frame.seq}"
         sending = "sending " + what
         ops: list[tuple[int, str, asyncio.Future]] = []
+        headers: dict[int, Frame | CGXError] = {}
         bufs: list[np.ndarray] = []
         sent = 0
         errors = _ucx.errors()
@@ -637,18 +639,47 @@ class Mesh(MeshSetup):
                     ops.append((rank, sending, fut))
                     sent += _nbytes(msg)
                 buf = np.zeros(RECV_NBYTES, np.uint8)
-                ops.append((rank, what, _as_future(post_recv(p.data, buf, keys.rx ^ tag))))
+                recv = _as_future(post_recv(p.data, buf, keys.rx ^ tag))
+                ops.append((rank, what, recv))
             except errors as exc:
                 self._cancel_ops(ops)
                 return self._op_failed(rank, what, exc)
+            # Checked as soon as it arrives, as recv_frame does: a malformed or forged
+            # header fails the call at once (waking the other operations), not after
+            # the slowest peer has sent its own.
+            recv.add_done_callback(functools.partial(self._parse_into, headers, rank, buf, frame))
             bufs.append(buf)
         await self._await_ops(ops, extra)
         stats = self.stats
-        stats.messages_received += len(bufs)
-        stats.messages_sent += len(ops) - len(bufs)
+        stats.messages_received += len(peers)
+        stats.messages_sent += len(ops) - len(peers)
         stats.bytes_sent += sent
-        seq, phase, slot = frame.seq, frame.phase, frame.slot
-        return [self._parse_frame(r, b, seq, phase, slot) for r, b in zip(peers, bufs, strict=True)]
+        out = []
+        for rank, buf in zip(peers, bufs, strict=True):
+            if rank not in headers:  # completed at once: its callback has not run yet
+                self._parse_into(headers, rank, buf, frame, None)
+            got = headers[rank]
+            if isinstance(got, BaseException):
+                raise _copy_error(got) if isinstance(got, CGXError) else got
+            out.append(got)
+        return out
+
+    def _parse_into(
+        self,
+        headers: dict,
+        rank: int,
+        buf: np.ndarray,
+        sent: Frame,
+        fut: asyncio.Future | None,
+    ) -> None:
+        """Done callback of a header receive of :meth:`exchange_frames`: the checked header
+        (or the error its check raised, after it failed the mesh) into ``headers``."""
+        if rank in headers or (fut is not None and (fut.cancelled() or fut.exception())):
+            return  # checked already (see exchange_frames), or failed: _await_ops says why
+        try:
+            headers[rank] = self._parse_frame(rank, buf, sent.seq, sent.phase, sent.slot)
+        except CGXError as exc:
+            headers[rank] = exc
 
     @staticmethod
     def _cancel_ops(ops: list[tuple[int, str, Any]]) -> None:
