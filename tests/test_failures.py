@@ -352,6 +352,34 @@ async def malformed_frame(ctx, algorithm):
             return "ProtocolError", str(exc), time.monotonic() - start, mesh.peers[1].lost
 
 
+async def exchange_refuses_a_separate_payload(ctx):
+    from cgx_ucx.transport.frames import Frame, Kind
+
+    async with await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG) as comm:
+        mesh = comm._mesh
+        big = np.zeros(128 << 10, np.uint8)  # over the inline bound: a message of its own
+        frame = Frame(
+            kind=Kind.DATA, job=mesh.job, seq=99, src=ctx.rank, phase=1, payload=big.nbytes
+        )
+        sent_before = mesh.stats.messages_sent
+        try:
+            await mesh.exchange_frames(frame, big, [1 - ctx.rank])
+            kind = "no error"
+        except ValueError as exc:
+            kind = str(exc)
+        await comm.barrier()  # the mesh still works: nothing was posted
+        return kind, mesh.stats.messages_sent - sent_before
+
+
+@pytest.mark.timeout(60)
+def test_one_round_exchange_refuses_payloads_that_cannot_go_inline():
+    """A payload sent as a message of its own could wait for a rendezvous that its
+    receiver posts only after the round: refused before anything is posted."""
+    for kind, sent in run_ranks(exchange_refuses_a_separate_payload, 2, timeout=50):
+        assert "inline payloads only" in kind, kind
+        assert sent == 1  # the barrier's SIG frame only
+
+
 async def malformed_while_a_peer_is_late(ctx):
     from cgx_ucx.transport.frames import FRAME_NBYTES
 

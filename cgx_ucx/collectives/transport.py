@@ -107,9 +107,10 @@ class Transport(Protocol):
     async def exchange_frames(
         self, frame: Frame, payload: Any, peers: Iterable[int], extra: Iterable[asyncio.Future] = ()
     ) -> list[Frame]:
-        """Send ``frame`` (and ``payload``) to every rank of ``peers`` and return the header
-        each of them sent for the same (seq, phase, slot), in ``peers`` order: one round,
-        as :meth:`send_frame` to each and :meth:`recv_frame` from each would do."""
+        """Send ``frame`` (and ``payload``: None, or small enough to travel inline) to every
+        rank of ``peers`` and return the header each of them sent for the same (seq,
+        phase, slot), in ``peers`` order: one round, as :meth:`send_frame` to each and
+        :meth:`recv_frame` from each would do."""
         ...
 
     async def broadcast_abort(self, seq: int, code: AbortCode, peer: int, reason: str) -> None:

@@ -602,19 +602,26 @@ class Mesh(MeshSetup):
         latency path of small collectives. Every send and receive is posted at once and
         awaited under one guard (deadline, loss of a peer, the collective's abort), not
         one task and one guard per operation. Checks, errors and statistics are those of
-        :meth:`send_frame` and :meth:`recv_frame`; a payload that cannot go inline
-        follows as a second message, as there. Returns the headers in ``peers`` order."""
+        :meth:`send_frame` and :meth:`recv_frame`. Returns the headers in ``peers`` order.
+
+        ``payload`` must be None or :func:`~.frames.inlinable`: a payload sent as a
+        message of its own may wait for a rendezvous that its receiver only posts after
+        this round returns (every rank would wait for the others until the deadline)."""
         peers = list(peers)
         if frame.flags & FLAG_INLINE:
             raise ValueError(f"flags {frame.flags:#x}: bit {FLAG_INLINE:#x} is the transport's")
+        nbytes = 0 if payload is None else frame.payload
+        if nbytes and not inlinable(payload, nbytes):
+            raise ValueError(
+                f"exchange_frames sends inline payloads only, not {nbytes} bytes of "
+                f"{type(payload).__name__}: use send_frame / recv_frame"
+            )
         if frame.comm != self.comm_id:
             frame = frame.with_(comm=self.comm_id)
         extra = tuple(extra)
         _raise_done(extra)
         self.check()
         self.activity.sending(frame)
-        nbytes = 0 if payload is None else frame.payload
-        inline = nbytes > 0 and inlinable(payload, nbytes)
         tag = structured_tag(frame.seq, frame.phase, frame.slot, False)
         what = f"phase {frame.phase} piece {frame.slot} of collective #{frame.seq}"
         sending = "sending " + what
@@ -628,16 +635,12 @@ class Mesh(MeshSetup):
             keys = p.keys
             assert keys is not None
             try:
-                if inline:
-                    msgs = [inline_message(frame, payload, keys.key)]
+                if nbytes:
+                    msg = inline_message(frame, payload, keys.key)
                 else:
-                    msgs = [np.frombuffer(frame.pack(keys.key), np.uint8)]
-                    if nbytes:
-                        msgs.append(payload)
-                for i, msg in enumerate(msgs):
-                    fut = _as_future(post_send(p.data, msg, keys.tx ^ (tag | i)))
-                    ops.append((rank, sending, fut))
-                    sent += _nbytes(msg)
+                    msg = np.frombuffer(frame.pack(keys.key), np.uint8)
+                ops.append((rank, sending, _as_future(post_send(p.data, msg, keys.tx ^ tag))))
+                sent += msg.nbytes
                 buf = np.zeros(RECV_NBYTES, np.uint8)
                 recv = _as_future(post_recv(p.data, buf, keys.rx ^ tag))
                 ops.append((rank, what, recv))
@@ -652,7 +655,7 @@ class Mesh(MeshSetup):
         await self._await_ops(ops, extra)
         stats = self.stats
         stats.messages_received += len(peers)
-        stats.messages_sent += len(ops) - len(peers)
+        stats.messages_sent += len(peers)
         stats.bytes_sent += sent
         out = []
         for rank, buf in zip(peers, bufs, strict=True):
