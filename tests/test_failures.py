@@ -27,6 +27,17 @@ from cgx_ucx.layout import LayerSpec, Layout
 CFG = CommConfig(timeout=20.0, connect_timeout=30.0)
 
 
+async def outcome(call) -> tuple[str, float]:
+    """(the name of the error ``call`` raised, or "no error"; seconds it took)."""
+    start = time.monotonic()
+    try:
+        await call
+        kind = "no error"
+    except Exception as exc:
+        kind = type(exc).__name__
+    return kind, time.monotonic() - start
+
+
 async def killed_mid_collective(ctx, victim):
     async with await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG) as comm:
         x = np.ones(4 << 20, np.float32)
@@ -130,13 +141,7 @@ async def local_error_aborts_peers(ctx):
         # Rank 0 passes an invalid argument: it raises ConfigError at once; the others
         # must not wait out the timeout.
         x = np.ones(100, np.int32 if ctx.rank == 0 else np.float32)
-        start = time.monotonic()
-        try:
-            await comm.allreduce(x, bits=4)
-            kind = "no error"
-        except Exception as exc:
-            kind = type(exc).__name__
-        return kind, time.monotonic() - start
+        return await outcome(comm.allreduce(x, bits=4))
 
 
 @pytest.mark.timeout(60)
@@ -392,13 +397,7 @@ async def malformed_while_a_peer_is_late(ctx):
             await mesh.send(0, mesh.tag(comm._seq, 1, 1, 0, False), junk, "junk")
         elif ctx.rank == 2:
             await asyncio.sleep(6.0)  # late, but well inside the timeout
-        start = time.monotonic()
-        try:
-            await comm.allreduce(x)
-            kind = "no error"
-        except Exception as exc:
-            kind = type(exc).__name__
-        return kind, time.monotonic() - start
+        return await outcome(comm.allreduce(x))
 
 
 @pytest.mark.timeout(60)
