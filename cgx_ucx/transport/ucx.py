@@ -106,11 +106,10 @@ def multi_node_defaults(env: Mapping[str, str] | None = None) -> dict[str, str]:
 
     Why: between nodes UCX runs over TCP unless the hosts have RDMA, and its rendezvous
     protocol sends the hand-shake of every large message on the TCP stream that carries
-    the bulk data, behind whatever is queued there. On 2 emulated nodes x 2 ranks at
-    1 Gbit/s (64 MiB, 4 bits) the two-level allreduce took 114 ms with UCXX's default
-    threshold and 91 ms with ``UCX_RNDV_THRESH=inf``, the flat one 179 and 151 ms (README,
-    "Multi-node"). Hosts with an NVIDIA GPU get a finite threshold instead (see
-    :data:`GPU_MULTI_NODE_RNDV_THRESH`)."""
+    the bulk data, behind whatever is queued there; on emulated nodes both the two-level
+    and the flat allreduce ran markedly faster with eager sends (figures in
+    benchmarks/results/issue11_session6_h200/). Hosts with an NVIDIA GPU get a finite
+    threshold instead (see :data:`GPU_MULTI_NODE_RNDV_THRESH`)."""
     env = os.environ if env is None else env
     try:
         world = int(env.get("WORLD_SIZE", "0"))
