@@ -39,6 +39,7 @@ from cgx_ucx.compression import (
     decode,
     decode_add,
     encode,
+    encode_decode,
     encoded_nbytes,
     read_header,
     reference,
@@ -486,6 +487,95 @@ def test_bad_out_and_acc_raise_codec_error() -> None:
     ro.flags.writeable = False
     with pytest.raises(CodecError):
         decode_add(buf, ro)
+
+
+# ---------------------------------------------------------------------------------------
+# encode_decode: the owner's requantization (encode, and decode its own bytes) in one pass
+
+
+@pytest.mark.timeout(120)
+@SETTINGS
+@given(
+    case=cases,
+    stochastic=st.booleans(),
+    rseed=st.integers(0, 2**64 - 1),
+    target=st.sampled_from(["in place", "float32", "same dtype", "float64"]),
+)
+def test_encode_decode_equals_encode_then_decode(
+    case: tuple, stochastic: bool, rseed: int, target: str
+) -> None:
+    seed, n, bits, bucket, dtype, kind = case
+    x = make_values(seed, n, dtype, kind)
+    if n > 3:
+        x[seed % n] = [np.nan, np.inf, -np.inf, 0.0][seed % 4]
+    want = encode(x, bits, bucket, stochastic=stochastic, seed=rseed)
+    out_dtype = {"in place": dtype, "float32": np.float32, "same dtype": dtype}.get(
+        target, np.float64
+    )
+    expect = decode(want, out=np.empty(n, out_dtype))
+    src = x.copy()
+    dst = src if target == "in place" else np.full(n, 7, out_dtype)
+    got = encode_decode(src, bits, bucket, decoded=dst, stochastic=stochastic, seed=rseed)
+    assert np.array_equal(got, want)
+    assert np.array_equal(dst.view(np.uint8), expect.view(np.uint8))
+    if target != "in place":
+        assert np.array_equal(src.view(np.uint8), x.view(np.uint8))  # the input is untouched
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_encode_decode_parallel_in_place(threads: int) -> None:
+    n = cpu.PARALLEL_MIN_NUMEL * 3 + 5
+    x = make_values(11, n, np.dtype(np.float32), "normal")
+    cpu.set_num_threads(threads)
+    try:
+        for bits, bucket, stochastic in [(4, 1024, False), (3, 1000, True)]:
+            want = encode(x, bits, bucket, stochastic=stochastic, seed=5)
+            y = x.copy()
+            out = np.empty(want.size + 3, np.uint8)
+            got = encode_decode(y, bits, bucket, decoded=y, out=out, stochastic=stochastic, seed=5)
+            assert np.array_equal(got, want) and got.ctypes.data == out.ctypes.data
+            assert np.array_equal(y.view(np.uint32), decode(want).view(np.uint32))
+    finally:
+        cpu.set_num_threads(None)
+
+
+def test_encode_decode_shifted_overlap_is_still_exact() -> None:
+    """``decoded`` overlapping ``x`` at another offset: the values must be those of the
+    original ``x`` (no bucket read after a neighbour's decoded values were written)."""
+    base = make_values(3, 5100, np.dtype(np.float32), "normal")
+    for shift in (1, 8, 1024):
+        mem = base.copy()
+        x, dec = mem[:4000], mem[shift : shift + 4000]
+        want = encode(x.copy(), 4, 64)
+        got = encode_decode(x, 4, 64, decoded=dec)
+        assert np.array_equal(got, want)
+        assert np.array_equal(dec, decode(want))
+
+
+def test_encode_decode_reference_backend_agrees() -> None:
+    x = make_values(5, 3001, np.dtype(np.float16), "normal")
+    a, b = np.empty(3001, np.float32), np.empty(3001, np.float32)
+    ba = encode_decode(x, 5, 100, decoded=a, stochastic=True, seed=9)
+    bb = reference.encode_decode(x, 5, 100, decoded=b, stochastic=True, seed=9)
+    assert np.array_equal(ba, bb) and np.array_equal(a, b)
+
+
+def test_encode_decode_bad_decoded_raises_codec_error() -> None:
+    x = np.ones(100, np.float32)
+    ro = np.zeros(100, np.float32)
+    ro.flags.writeable = False
+    for dec in (
+        np.empty(99, np.float32),
+        np.empty(100, np.int32),
+        np.empty((100, 1), np.float32),
+        ro,
+        [0.0] * 100,
+    ):
+        with pytest.raises(CodecError):
+            encode_decode(x, 4, 16, decoded=dec)
+    with pytest.raises(CodecError):
+        encode_decode(np.ones(100, np.int32), 4, 16, decoded=np.empty(100, np.float32))
 
 
 # ---------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..compression import decode, decode_add, encode
+from ..compression import decode, decode_add, encode, encode_decode
 from ..transport.progress import host_oversubscribed
 from .plan import Piece
 
@@ -85,11 +85,13 @@ def encode_piece(
     rank: int,
     raw_src: Any = None,
     raw_base: int = 0,
+    decoded: Any = None,
 ) -> Any:
     """Encode values [piece.start, piece.stop) of ``src`` (which starts at ``base``).
 
     Uncompressed segments are taken from ``raw_src`` when given (the owner's reduced
-    values already written back to the caller's buffer, in its dtype).
+    values already written back to the caller's buffer, in its dtype). ``decoded``
+    (starting at ``raw_base``) also receives what the compressed segments decode to.
     """
     pos = 0
     for seg in piece.segments:
@@ -99,14 +101,12 @@ def encode_piece(
             part = src[seg.start - base : seg.stop - base]
         n = seg.wire_nbytes(part.dtype)
         s = mix_seed(seed, seq, rank, seg.layer, seg.start) if stochastic else 0
-        encode(
-            part,
-            seg.bits,
-            seg.bucket_size,
-            out=out[pos : pos + n],
-            stochastic=stochastic and seg.bits != 32,
-            seed=s,
-        )
+        kw = {"out": out[pos : pos + n], "stochastic": stochastic and seg.bits != 32, "seed": s}
+        if decoded is None or seg.bits == 32:
+            encode(part, seg.bits, seg.bucket_size, **kw)
+        else:
+            dst = decoded[seg.start - raw_base : seg.stop - raw_base]
+            encode_decode(part, seg.bits, seg.bucket_size, decoded=dst, **kw)
         pos += n
     return out[:pos]
 
@@ -145,8 +145,6 @@ def requantize_piece(
     bytes. ``acc`` (float32, starting at ``base``) holds the reduced values; uncompressed
     segments must already be written back to ``x``, and are sent from there.
     """
-    payload = encode_piece(
-        acc, base, piece, buf, stochastic, seed, seq, rank, raw_src=x, raw_base=0
+    return encode_piece(
+        acc, base, piece, buf, stochastic, seed, seq, rank, raw_src=x, raw_base=0, decoded=x
     )
-    decode_piece(payload, piece, x, 0, x.dtype)
-    return payload

@@ -13,6 +13,7 @@ from .codec import (
     decode,
     decode_add,
     encode,
+    encode_decode,
     encoded_nbytes,
     read_header,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "decode",
     "decode_add",
     "encode",
+    "encode_decode",
     "encoded_nbytes",
     "read_header",
 ]

@@ -82,6 +82,7 @@ __all__ = [
     "decode",
     "decode_add",
     "encode",
+    "encode_decode",
     "encoded_nbytes",
     "read_header",
 ]
@@ -291,6 +292,36 @@ def _check_out(out: Any, numel: int, buf: Any, what: str = "out") -> None:
 # encode / decode / decode_add, generic over a backend module
 
 
+def _encode_target(
+    backend: ModuleType,
+    x: Any,
+    bits: int,
+    bucket_size: int,
+    out: Any,
+    stochastic: bool,
+    seed: int,
+) -> tuple[CodecHeader, int, Any]:
+    """The checked header, seed and output segment of an encode of ``x``."""
+    dt = _check_values(x)
+    bits = check_bits(bits)
+    bucket_size = check_positive_int(bucket_size, "bucket_size", limit=_BUCKET_LIMIT)
+    seed = check_seed(seed)
+    numel = int(x.shape[0])
+    stochastic = bool(stochastic) and bits != RAW_BITS
+    hdr = CodecHeader(bits, bucket_size, numel, dt, stochastic)
+    nbytes = hdr.nbytes
+    if out is None:
+        return hdr, seed, backend.empty_bytes(nbytes, like=x)
+    if not is_array(out):
+        raise CodecError(f"out must be a uint8 array, got {type(out).__name__}")
+    _same_kind(x, out, "out")
+    if out.dtype != np.uint8 or out.ndim != 1 or not out.flags.c_contiguous:
+        raise CodecError("out must be a 1-D contiguous uint8 array")
+    if out.shape[0] < nbytes:
+        raise CodecError(f"out holds {out.shape[0]} bytes, the encoding needs {nbytes}")
+    return hdr, seed, out[:nbytes]
+
+
 def encode_with(
     backend: ModuleType,
     x: Any,
@@ -302,26 +333,34 @@ def encode_with(
     seed: int = 0,
 ) -> Any:
     """:func:`encode` through a given backend module (used by :mod:`.reference`)."""
-    dt = _check_values(x)
-    bits = check_bits(bits)
-    bucket_size = check_positive_int(bucket_size, "bucket_size", limit=_BUCKET_LIMIT)
-    seed = check_seed(seed)
-    numel = int(x.shape[0])
-    stochastic = bool(stochastic) and bits != RAW_BITS
-    hdr = CodecHeader(bits, bucket_size, numel, dt, stochastic)
-    nbytes = hdr.nbytes
-    if out is None:
-        buf = backend.empty_bytes(nbytes, like=x)
-    else:
-        if not is_array(out):
-            raise CodecError(f"out must be a uint8 array, got {type(out).__name__}")
-        _same_kind(x, out, "out")
-        if out.dtype != np.uint8 or out.ndim != 1 or not out.flags.c_contiguous:
-            raise CodecError("out must be a 1-D contiguous uint8 array")
-        if out.shape[0] < nbytes:
-            raise CodecError(f"out holds {out.shape[0]} bytes, the encoding needs {nbytes}")
-        buf = out[:nbytes]
+    hdr, seed, buf = _encode_target(backend, x, bits, bucket_size, out, stochastic, seed)
     backend.encode_into(x, hdr, seed, buf)
+    return buf
+
+
+def encode_decode_with(
+    backend: ModuleType,
+    x: Any,
+    bits: int,
+    bucket_size: int = 1024,
+    *,
+    decoded: Any,
+    out: Any = None,
+    stochastic: bool = False,
+    seed: int = 0,
+) -> Any:
+    """:func:`encode_decode` through a given backend module (used by :mod:`.reference`)."""
+    hdr, seed, buf = _encode_target(backend, x, bits, bucket_size, out, stochastic, seed)
+    if not is_array(decoded):
+        raise CodecError(f"decoded must be an array, got {type(decoded).__name__}")
+    _check_out(decoded, hdr.numel, x, "decoded")
+    fused = getattr(backend, "encode_decode_into", None)
+    if fused is not None:
+        fused(x, hdr, seed, buf, decoded)
+        return buf
+    backend.encode_into(x, hdr, seed, buf)
+    if hdr.numel:
+        backend.decode_into(buf, hdr, decoded)
     return buf
 
 
@@ -373,6 +412,33 @@ def encode(
     """
     return encode_with(
         _backend_for(x), x, bits, bucket_size, out=out, stochastic=stochastic, seed=seed
+    )
+
+
+def encode_decode(
+    x: Any,
+    bits: int,
+    bucket_size: int = 1024,
+    *,
+    decoded: Any,
+    out: Any = None,
+    stochastic: bool = False,
+    seed: int = 0,
+) -> Any:
+    """:func:`encode`, and ``decoded[...] = decode(segment)``: the values every receiver of
+    the segment gets, bit for bit, without a second pass where the backend fuses the two
+    (the host kernels do). ``decoded`` (any float dtype, ``numel`` values, same device) may
+    be ``x`` itself: an owner requantizing its reduced values in place. Returns the
+    segment, as :func:`encode` does."""
+    return encode_decode_with(
+        _backend_for(x),
+        x,
+        bits,
+        bucket_size,
+        decoded=decoded,
+        out=out,
+        stochastic=stochastic,
+        seed=seed,
     )
 
 

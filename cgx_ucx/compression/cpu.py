@@ -40,6 +40,7 @@ __all__ = [
     "decode_into",
     "empty_bytes",
     "empty_values",
+    "encode_decode_into",
     "encode_into",
     "num_threads",
     "set_num_threads",
@@ -258,11 +259,14 @@ def _pack(sc, m, bits, cb):
 
 
 @njit
-def _encode_chunk(x, n, bits, bsize, k, stochastic, key, meta, codes, chunk, sc):
+def _encode_chunk(x, n, bits, bsize, k, stochastic, key, meta, codes, chunk, sc, dec):
     """Encode chunk ``chunk`` (k buckets, starting on a code byte) using scratch ``sc``.
 
     Each bucket is reduced and quantized back to back while it is in L1; the chunk's
-    codes are then packed from the scratch (k*bsize bytes, also in L1).
+    codes are then packed from the scratch (k*bsize bytes, also in L1). ``dec`` (None,
+    or an array like ``x``, which it may be) also receives each bucket's decoded values,
+    computed as :func:`_decode_chunk` computes them from the same codes and meta, while
+    the bucket is still in L1: a requantization in one pass instead of two.
     """
     levels = np.float32((1 << bits) - 1)
     nbuckets = (n + bsize - 1) // bsize
@@ -278,17 +282,19 @@ def _encode_chunk(x, n, bits, bsize, k, stochastic, key, meta, codes, chunk, sc)
         meta[2 * b] = unit
         meta[2 * b + 1] = mn
         _quantize(xb, sc[s - cs : e - cs], unit, mn, levels, stochastic, key, s)
+        if dec is not None:  # a compile-time branch: None is its own type
+            _dequantize(sc[s - cs : e - cs], dec[s:e], unit, mn, False)
     m = ce - cs
     off = (cs // 8) * bits
     _pack(sc, m, bits, codes[off : off + (m * bits + 7) // 8])
 
 
 @njit(nogil=True, cache=True)
-def _encode_range(x, n, bits, bsize, k, stochastic, key, meta, codes, c0, c1, nsc):
+def _encode_range(x, n, bits, bsize, k, stochastic, key, meta, codes, c0, c1, nsc, dec):
     """Chunks [c0, c1), without the GIL; the scratch is this call's only allocation."""
     sc = np.empty(nsc, dtype=np.uint8)
     for c in range(c0, c1):
-        _encode_chunk(x, n, bits, bsize, k, stochastic, key, meta, codes, c, sc)
+        _encode_chunk(x, n, bits, bsize, k, stochastic, key, meta, codes, c, sc, dec)
 
 
 # ---------------------------------------------------------------------------------------
@@ -530,6 +536,26 @@ def _meta_view(buf: np.ndarray, hdr: CodecHeader) -> tuple[np.ndarray, bool]:
 
 
 def encode_into(x: np.ndarray, hdr: CodecHeader, seed: int, buf: np.ndarray) -> None:
+    _encode(x, hdr, seed, buf, None)
+
+
+def encode_decode_into(
+    x: np.ndarray, hdr: CodecHeader, seed: int, buf: np.ndarray, decoded: np.ndarray
+) -> None:
+    """:func:`encode_into`, and ``decoded`` (may be ``x``) = decode(buf), in one pass."""
+    dec = _kernel_view(decoded)
+    # The kernel writes a bucket's decoded values right after reading it: fine when they
+    # land on the same bucket, wrong where ``decoded`` overlaps ``x`` shifted.
+    shifted = decoded.ctypes.data != x.ctypes.data and np.may_share_memory(x, decoded)
+    if hdr.raw or dec is None or shifted:  # a copy, an exotic float, an overlap: two passes
+        _encode(x, hdr, seed, buf, None)
+        if hdr.numel:
+            decode_into(buf, hdr, decoded)
+        return
+    _encode(x, hdr, seed, buf, dec)
+
+
+def _encode(x: np.ndarray, hdr: CodecHeader, seed: int, buf: np.ndarray, dec: Any) -> None:
     buf[:HEADER_NBYTES] = np.frombuffer(hdr.pack(), dtype=np.uint8)
     n = hdr.numel
     if hdr.raw:
@@ -547,7 +573,7 @@ def encode_into(x: np.ndarray, hdr: CodecHeader, seed: int, buf: np.ndarray) -> 
 
     def run(c0: int, c1: int) -> None:
         _encode_range(xk, n, hdr.bits, hdr.bucket_size, k, hdr.stochastic, key, meta, codes,
-                      c0, c1, nsc)  # fmt: skip
+                      c0, c1, nsc, dec)  # fmt: skip
 
     _run_chunks(run, n, nchunks, k * hdr.bucket_size)
     if not is_view:
@@ -596,17 +622,20 @@ def warmup(dtypes: tuple[Any, ...] = (np.float32,)) -> None:
     """Compile (or load from Numba's disk cache) the kernels the collectives use.
 
     Call it once before spawning workers or timing: a cold compile takes seconds, a load
-    from the disk cache much less. Covers encode, decode_add and decode for ``dtypes``
-    (the same kernels serve serial and parallel calls, and both roundings).
+    from the disk cache much less. Covers encode, decode_add and decode for ``dtypes``,
+    and the requantization of a float32 accumulator into each of them (the same kernels
+    serve serial and parallel calls, and both roundings).
     """
-    for n in (8,):
-        for dt in dtypes:
-            x = np.zeros(n, dtype=dt)
-            hdr = CodecHeader(4, 1024, n, np.dtype(dt), False)
-            buf = empty_bytes(hdr.nbytes)
-            encode_into(x, hdr, 0, buf)
-            decode_into(buf, hdr, np.empty(n, dtype=dt))
-            decode_add_into(buf, hdr, np.zeros(n, np.float32))
+    n = 8
+    acc_hdr = CodecHeader(4, 1024, n, np.dtype(np.float32), False)
+    for dt in dtypes:
+        x = np.zeros(n, dtype=dt)
+        hdr = CodecHeader(4, 1024, n, np.dtype(dt), False)
+        buf = empty_bytes(hdr.nbytes)
+        encode_into(x, hdr, 0, buf)
+        decode_into(buf, hdr, np.empty(n, dtype=dt))
+        decode_add_into(buf, hdr, np.zeros(n, np.float32))
+        encode_decode_into(np.zeros(n, np.float32), acc_hdr, 0, buf, np.empty(n, dtype=dt))
 
 
 def warm_up() -> None:

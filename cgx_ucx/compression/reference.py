@@ -25,7 +25,7 @@ from ..errors import CodecError
 from . import codec
 from .codec import HEADER_NBYTES, CodecHeader
 
-__all__ = ["decode", "decode_add", "encode", "seed_key", "uniform"]
+__all__ = ["decode", "decode_add", "encode", "encode_decode", "seed_key", "uniform"]
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("cgx_ucx's codec writes float32 meta in host order: little-endian only")
@@ -199,6 +199,25 @@ def encode(
     if not isinstance(x, np.ndarray):
         raise CodecError("the NumPy reference takes NumPy arrays")
     return codec.encode_with(_SELF, x, bits, bucket_size, out=out, stochastic=stochastic, seed=seed)
+
+
+def encode_decode(
+    x: np.ndarray,
+    bits: int,
+    bucket_size: int = 1024,
+    *,
+    decoded: np.ndarray,
+    out: np.ndarray | None = None,
+    stochastic: bool = False,
+    seed: int = 0,
+) -> np.ndarray:
+    """:func:`cgx_ucx.compression.encode_decode` computed by the NumPy reference (encode,
+    then decode: two passes)."""
+    if not isinstance(x, np.ndarray):
+        raise CodecError("the NumPy reference takes NumPy arrays")
+    return codec.encode_decode_with(
+        _SELF, x, bits, bucket_size, decoded=decoded, out=out, stochastic=stochastic, seed=seed
+    )
 
 
 def decode(buf: Any, out: np.ndarray | None = None) -> np.ndarray:
