@@ -414,7 +414,47 @@ def test_link_benchmark_end_to_end(tmp_path: Path) -> None:
     # 4 bits put about 8x fewer bytes on the wire than gloo did.
     assert rows["cgx4"]["tx_bytes"] < rows["gloo"]["tx_bytes"] / 6
     assert (tmp_path / "link.png").stat().st_size > 0
+    # On 100 Mbit/s the auto policy's cost model compresses a 1 MiB layer.
+    assert rows["cgx4"]["auto_bits"] == 4 and rows["cgx32"]["auto_bits"] is None
+    (versus,) = record["compressed_vs_raw"]
+    assert versus["method"] == "cgx4" and versus["auto_bits"] == 4
+    assert versus["ok"] == (versus["time_vs_cgx32"] <= 1.10)
     assert _namespaces() == before
+
+
+def test_compressed_vs_raw_rule_and_auto_choice() -> None:
+    from cgx_ucx.bench import link as bench_link
+
+    # Two ranks' link probes (bandwidth B/s, encode B/s, decode B/s, overhead s per call),
+    # averaged as the auto policy averages them.
+    records = [
+        {"auto_probe": {"4": [1.25e9, 4e9, 6e9, 40e-6]}},
+        {"auto_probe": {"4": [1.15e9, 4e9, 6e9, 60e-6]}},
+    ]
+    auto = bench_link._auto_costs(records)
+    bw, cost = auto["4"]
+    assert bw == pytest.approx(1.2e9) and cost.overhead_s == pytest.approx(50e-6)
+    picks = {}
+    for size in (4 << 10, 64 << 20):
+        picks[size] = bench_link._auto_bits({"method": "cgx4", "size": size}, 2, auto, 1024)
+    # 10 Gbit/s: a 4 KiB layer is not worth three codec calls, a 64 MiB one is.
+    assert picks == {4 << 10: 32, 64 << 20: 4}
+    for method in ("cgx32", "gloo", "cgx8"):
+        assert bench_link._auto_bits({"method": method, "size": 1 << 20}, 2, auto, 1024) is None
+    assert bench_link._auto_costs([{"auto_probe": {"4": [float("nan"), 1, 1, 0]}}]) == {}
+
+    def config(t4: float, auto: int) -> dict:
+        rows = [
+            {"method": "cgx32", "size": 1 << 20, "time_s": 1.0},
+            {"method": "cgx4", "size": 1 << 20, "time_s": t4, "auto_bits": auto},
+            {"method": "gloo", "size": 1 << 20, "time_s": 2.0},
+        ]
+        return {"world_size": 2, "link": {"rate": "10gbit"}, "allreduce": rows}
+
+    (slow_picked,) = bench_link._compressed_vs_raw([config(1.2, 4)])
+    assert not slow_picked["ok"] and slow_picked["time_vs_cgx32"] == pytest.approx(1.2)
+    assert bench_link._compressed_vs_raw([config(1.2, 32)])[0]["ok"]
+    assert bench_link._compressed_vs_raw([config(1.05, 4)])[0]["ok"]
 
 
 # ------------------------------------------------------------------ nodes x ranks per node

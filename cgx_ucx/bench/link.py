@@ -211,6 +211,36 @@ def _bounds(
     row["x_bound"] = row["time_s"] / row["bound_s"] if row["bound_s"] > 0 else None
 
 
+def _auto_costs(records: list[dict[str, Any]]) -> dict[str, tuple[float, Any]]:
+    """Per compressed width: the link bandwidth and codec cost the ``auto`` policy decides
+    with, the ranks' link-probe results averaged as the policy averages them."""
+    from ..compression.policies.cost import CodecCost
+
+    out: dict[str, tuple[float, Any]] = {}
+    for bits in records[0].get("auto_probe", {}) if records else {}:
+        values = [r["auto_probe"][bits] for r in records if bits in r.get("auto_probe", {})]
+        bw, enc, dec, over = (math.fsum(v[i] for v in values) / len(values) for i in range(4))
+        if min(bw, enc, dec) > 0 and all(map(math.isfinite, (bw, enc, dec, over))):
+            out[bits] = (bw, CodecCost(enc, dec, max(over, 0.0)))
+    return out
+
+
+def _auto_bits(
+    row: dict[str, Any], world: int, auto: dict[str, tuple[float, Any]], bucket: int
+) -> int | None:
+    """The width the ``auto`` policy would give a layer of this row's size on this link,
+    from its own link probe run in the same job (:func:`_auto_costs`): the row's bits when
+    compressing pays, else 32; None for gloo and 32-bit rows, or without a probe."""
+    from ..compression.policies.auto import compress_pays
+
+    method = row["method"]
+    if not method.startswith("cgx") or method[3:] not in auto:
+        return None
+    bw, cost = auto[method[3:]]
+    bits = int(method[3:])
+    return bits if compress_pays(row["size"] // 4, bits, bucket, world, bw, cost) else 32
+
+
 def _verify(
     rows: list[dict[str, Any]], link: LinkEmulator, probe: TcpMeasurement, world: int
 ) -> list[str]:
@@ -359,11 +389,15 @@ def _run_config(
         records = _run_job(link, "allreduce", ar_args, prefix, args, rate_bps, world, bar)
         codec = records[0].get("codec_rates", {})
         rows = _merge_ranks(records)
+        auto = _auto_costs(records)
+        config["auto_probe"] = {b: [bw, c.encode_bps, c.decode_bps, c.overhead_s]
+                                for b, (bw, c) in auto.items()}  # fmt: skip
         gloo = {r["size"]: r["time_s"] for r in rows if r["method"] == "gloo"}
         for row in rows:
             _bounds(row, world, probe, link.burst_bytes, codec, args.bucket_size, cores)
             row["algbw_GBps"] = row["size"] / row["time_s"] / 1e9
             row["speedup"] = gloo[row["size"]] / row["time_s"] if row["size"] in gloo else None
+            row["auto_bits"] = _auto_bits(row, world, auto, args.bucket_size)
         config["codec_rates_values_per_s_single_core"] = codec
         config["allreduce"] = rows
         config["violations"] = _verify(rows, link, probe, world)
@@ -543,7 +577,7 @@ def verify_fsdp(rows: list[dict[str, Any]], world: int, bucket: int) -> list[str
 
 def _tables(configs: list[dict[str, Any]]) -> str:
     head = ["world", "link", "size", "method", "time ms", "algbw GB/s", "speedup"]
-    head += ["wire MiB", "bound ms", "x bound", "rel err"]
+    head += ["wire MiB", "bound ms", "x bound", "rel err", "auto"]
     rows = []
     for c in configs:
         for r in c.get("allreduce", []):
@@ -560,6 +594,7 @@ def _tables(configs: list[dict[str, Any]]) -> str:
                     r["bound_s"] * 1e3,
                     r["x_bound"] if r["x_bound"] is not None else "-",
                     r.get("rel_l2_err", "-") if r["method"] != "gloo" else "ref",
+                    r.get("auto_bits") or "-",
                 ]
             )
     text = format_table(head, rows)
@@ -674,6 +709,55 @@ def _headline(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     }
                 )
     return lines
+
+
+#: Issue 10: a compressed allreduce is never slower than the uncompressed one by more than
+#: this, at any size where the ``auto`` policy would compress.
+MAX_COMPRESSED_SLOWDOWN = 1.10
+
+
+def _compressed_vs_raw(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per link, size and bit width: cgx at those bits against cgx32, with the width the
+    ``auto`` policy would pick and whether issue 10's rule holds there."""
+    out = []
+    for c in configs:
+        rows = c.get("allreduce", [])
+        raw = {r["size"]: r["time_s"] for r in rows if r["method"] == "cgx32"}
+        for r in rows:
+            if not r["method"].startswith("cgx") or r["method"] == "cgx32":
+                continue
+            if r["size"] not in raw:
+                continue
+            ratio = r["time_s"] / raw[r["size"]]
+            picked = r.get("auto_bits")
+            slow = ratio > MAX_COMPRESSED_SLOWDOWN
+            out.append(
+                {
+                    "world_size": c["world_size"],
+                    "rate": c["link"]["rate"],
+                    "size": r["size"],
+                    "method": r["method"],
+                    "time_vs_cgx32": ratio,
+                    "auto_bits": picked,
+                    "ok": not slow or picked == 32,
+                }
+            )
+    return out
+
+
+def _print_versus(versus: list[dict[str, Any]]) -> None:
+    if not versus:
+        return
+    print(
+        f"\nCompressed against cgx32 (issue 10: at most {MAX_COMPRESSED_SLOWDOWN:g}x where "
+        "the auto policy would compress; auto: the width its cost model picks here):"
+    )
+    for v in versus:
+        print(
+            f"  {v['world_size']} ranks, {v['rate']}, {size_label(v['size'])}, {v['method']}: "
+            f"{v['time_vs_cgx32']:.2f}x cgx32's time, auto picks {v['auto_bits'] or '-'}: "
+            + ("ok" if v["ok"] else "MISSED")
+        )
 
 
 def _plot(configs: list[dict[str, Any]], size: int, path: Path) -> Path | None:
@@ -815,7 +899,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "\nwire MiB: bytes the busiest rank's shaped device sent per call (Ethernet headers "
         "in); bound: max(wire time at the measured TCP rate, codec time at the measured "
-        "single-core codec rate / cores per rank); rel err: relative L2 error against gloo."
+        "single-core codec rate / cores per rank); rel err: relative L2 error against gloo; "
+        "auto: the width the auto policy's cost model picks for a layer of that size."
     )
     if any(c.get("fsdp") for c in configs):
         print(
@@ -830,10 +915,13 @@ def main(argv: list[str] | None = None) -> int:
         print("\nAgainst issue 5's targets (1 Gbit/s targets; other rates for the record):")
         for line in headline:
             print(f"  {line['case']}: {line['text']}")
+    versus = _compressed_vs_raw(configs)
+    _print_versus(versus)
     record = {
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "cpus": os.cpu_count(),
         "headline": headline,
+        "compressed_vs_raw": versus,
         "configs": configs,
     }
     path = write_json("link", record, out_dir)

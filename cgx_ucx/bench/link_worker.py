@@ -159,6 +159,23 @@ def _codec_rates(bits_list: list[int], bucket: int, numel: int) -> dict[str, dic
 # ----------------------------------------------------------------------------- allreduce
 
 
+async def _auto_probe(comm: Any, bits_list: list[int], args: argparse.Namespace) -> dict:
+    """What the ``auto`` policy's link probe measures on this link, per compressed width
+    (``[bandwidth, encode_bps, decode_bps, overhead_s]``, this rank's view): the driver
+    averages the ranks', as the policy does, to say which width it would pick per size."""
+    from ..agreement import make_link_probe
+
+    out = {}
+    for bits in bits_list:
+        if bits != 32:
+            _progress(comm.rank, phase=f"auto-policy probe, {bits} bits")
+            probe = make_link_probe(
+                comm, bits=bits, bucket_size=args.bucket_size, timeout=args.timeout
+            )
+            out[str(bits)] = [float(v) for v in await probe()]
+    return out
+
+
 async def _allreduce_job(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -206,6 +223,8 @@ async def _allreduce_job(args: argparse.Namespace) -> dict[str, Any]:
     if rank == 0 and cgx_bits and args.codec_numel > 0:
         _progress(rank, phase="codec")
         record["codec_rates"] = _codec_rates(cgx_bits, args.bucket_size, args.codec_numel)
+    if comm is not None:
+        record["auto_probe"] = await _auto_probe(comm, cgx_bits, args)
     await barrier()
     methods = ["gloo"] if not args.no_gloo else []
     if args.algorithms:

@@ -18,7 +18,7 @@ from .base import Policy, ProbeValue
 from .cost import CodecCost, layer_seconds, probe_codec
 from .schedule import Schedule
 
-__all__ = ["AutoPolicy"]
+__all__ = ["AutoPolicy", "compress_pays"]
 
 
 def _cost_vector(c: CodecCost | None) -> np.ndarray:
@@ -28,6 +28,24 @@ def _cost_vector(c: CodecCost | None) -> np.ndarray:
 def _cost_of(v: Any) -> CodecCost | None:
     c = np.asarray(v, np.float64).reshape(3)
     return None if np.isnan(c).any() else CodecCost(float(c[0]), float(c[1]), float(c[2]))
+
+
+def compress_pays(
+    numel: int,
+    bits: int,
+    bucket_size: int,
+    world_size: int,
+    bandwidth: float,
+    codec: CodecCost,
+    min_gain: float = 0.0,
+) -> bool:
+    """The ``auto`` policy's rule for one layer of ``numel`` values: compress at ``bits``
+    iff :func:`~.cost.layer_seconds` models it at least ``min_gain`` faster than sending
+    it uncompressed over links of ``bandwidth`` bytes/s (benchmarks use it to say which
+    width ``auto`` would pick where they measured both)."""
+    t_raw = layer_seconds(numel, NO_COMPRESSION_BITS, 1, world_size, bandwidth, None)
+    t_q = layer_seconds(numel, bits, bucket_size, world_size, bandwidth, codec)
+    return t_q < (1.0 - min_gain) * t_raw
 
 
 class AutoPolicy(Policy):
@@ -207,10 +225,10 @@ class AutoPolicy(Policy):
 
     def _compress(self, numel: int, bandwidth: float, codec: CodecCost) -> bool:
         """True when a layer of ``numel`` values is modeled faster compressed."""
-        cfg, w = self.config, self.world_size
-        t_raw = layer_seconds(numel, NO_COMPRESSION_BITS, 1, w, bandwidth, None)
-        t_q = layer_seconds(numel, cfg.bits, cfg.bucket_size, w, bandwidth, codec)
-        return t_q < (1.0 - self.min_gain) * t_raw
+        cfg = self.config
+        return compress_pays(
+            numel, cfg.bits, cfg.bucket_size, self.world_size, bandwidth, codec, self.min_gain
+        )
 
     def _decide(self, step: int, statistics: np.ndarray) -> Assignment:
         drift = float(statistics[0])
