@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -354,10 +355,14 @@ def _binding(ep: Any, tag: int | None, default: str) -> tuple[Any, int]:
     return ep._ep, tag  # noqa: SLF001 (ucxx internal, see above)
 
 
-def _tag(value: int) -> Any:
-    from ucxx.types import Tag
+@functools.cache
+def _ucxx_types() -> tuple[Any, Any, Any]:
+    """(Array, Tag, TagMaskFull) of ucxx, imported once: these are on every operation's
+    path, and an import statement there costs microseconds each time."""
+    from ucxx._lib.arr import Array
+    from ucxx.types import Tag, TagMaskFull
 
-    return Tag(value)
+    return Array, Tag, TagMaskFull
 
 
 def post_send(ep: Any, buf: Any, tag: int | None) -> Any:
@@ -366,15 +371,14 @@ def post_send(ep: Any, buf: Any, tag: int | None) -> Any:
     drv = driver(loop)
     if drv is None:
         return ep.send(buf, tag=tag, force_tag=tag is not None)
-    from ucxx._lib.arr import Array
-
+    array, tag_type, _ = _ucxx_types()
     if ep.closed:
         raise _closed_error()
-    arr = Array(buf)
+    arr = array(buf)
     bep, t = _binding(ep, tag, "msg_send")
     # Untagged sends and receives are the control channel's (ABORT, BYE, STATUS and its
     # standing receive): background, see Progress.submit.
-    return drv.submit(bep.tag_send(arr, _tag(t)), (arr, buf), tag is None)
+    return drv.submit(bep.tag_send(arr, tag_type(t)), (arr, buf), tag is None)
 
 
 def post_recv(ep: Any, buf: Any, tag: int | None) -> Any:
@@ -383,14 +387,12 @@ def post_recv(ep: Any, buf: Any, tag: int | None) -> Any:
     drv = driver(loop)
     if drv is None:
         return ep.recv(buf, tag=tag, force_tag=tag is not None)
-    from ucxx._lib.arr import Array
-    from ucxx.types import TagMaskFull
-
+    array, tag_type, mask_full = _ucxx_types()
     if ep.closed:
         raise _closed_error()
-    arr = Array(buf)
+    arr = array(buf)
     bep, t = _binding(ep, tag, "msg_recv")
-    return drv.submit(bep.tag_recv(arr, _tag(t), TagMaskFull), (arr, buf), tag is None)
+    return drv.submit(bep.tag_recv(arr, tag_type(t), mask_full), (arr, buf), tag is None)
 
 
 def _closed_error() -> Exception:
