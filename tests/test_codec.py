@@ -839,3 +839,17 @@ def test_helper_thread_errors_reach_the_caller() -> None:
             cpu._run_chunks(run, cpu.PARALLEL_MIN_NUMEL, 64, cpu.BATCH_VALUES // 8)
     finally:
         cpu.set_num_threads(None)
+
+
+@pytest.mark.timeout(120)
+def test_codec_benchmark_writes_its_table(tmp_path: Any, capsys: pytest.CaptureFixture) -> None:
+    import json
+
+    from cgx_ucx.bench.codec import main
+
+    args = ["--sizes", "0.25", "--bits", "4", "--repeat", "2", "--no-reference", "--quiet"]
+    assert main([*args, "--out-dir", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / "codec.json").read_text())["rows"]
+    for key in ("encode_GBps", "decode_add_GBps", "requantize_GBps", "encode_then_decode_GBps"):
+        assert row[key] > 0, key
+    assert "requant" in capsys.readouterr().out

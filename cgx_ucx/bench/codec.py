@@ -4,9 +4,11 @@
 
 For each size (MiB of float32 input) and bit width it times, in the same run and on the
 same buffers: ``np.copyto`` of the input (memcpy; its GB/s are bytes read per second),
-``encode`` (round to nearest and stochastic) and ``decode_add`` with the Numba backend, and
-``encode``/``decode_add`` with the NumPy reference. Every figure is GB/s of float32 input
-(bytes of the float32 values / median time after warm-up), with ratios to memcpy and to
+``encode`` (round to nearest and stochastic), ``decode_add`` and the owner's requantization
+(``encode_decode`` in place, one pass, next to the ``encode`` then ``decode`` it replaces)
+with the Numba backend, and ``encode``/``decode_add`` with the NumPy reference. Every
+figure is GB/s of float32 input (bytes of the float32 values / median time after
+warm-up), with ratios to memcpy and to
 the reference; the best times are kept too. The load average before and after is
 recorded: on a shared machine the parallel kernels wait for every thread, so other
 processes show up directly (compare the best times, or run with ``--threads 1``).
@@ -29,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from ..compression import decode_add, encode, encoded_nbytes, reference
+from ..compression import decode, decode_add, encode, encode_decode, encoded_nbytes, reference
 from .report import (
     HelpFormatter,
     Progress,
@@ -66,6 +68,10 @@ def _timed(fn: Callable[[], Any], repeat: int, warmup: int = 2) -> tuple[float, 
     return med, _BEST.pop(id(fn))
 
 
+def _encode_then_decode(y: np.ndarray, bits: int, bucket: int, out: np.ndarray) -> None:
+    decode(encode(y, bits, bucket, out=out), out=y)
+
+
 def run(
     sizes_mib: list[float],
     bits_list: list[int],
@@ -89,6 +95,11 @@ def run(
                 partial(encode, x, bits, bucket, out=out, stochastic=True, seed=1), repeat
             )
             t_add, b_add = _timed(partial(decode_add, out, acc), repeat)
+            y = x.copy()  # requantized in place, over and over: every pass does full work
+            t_req = _median_time(
+                partial(encode_decode, y, bits, bucket, out=out, decoded=y), repeat
+            )
+            t_two = _median_time(partial(_encode_then_decode, y, bits, bucket, out), repeat)
             row: dict[str, Any] = {"MiB": mib, "numel": n, "bits": bits}
             row["memcpy_GBps"] = x.nbytes / t_copy / 1e9
             row["memcpy_best_GBps"] = x.nbytes / b_copy / 1e9
@@ -97,6 +108,8 @@ def run(
             row["encode_GBps"] = x.nbytes / t_enc / 1e9
             row["encode_sr_GBps"] = x.nbytes / t_sr / 1e9
             row["decode_add_GBps"] = x.nbytes / t_add / 1e9
+            row["requantize_GBps"] = x.nbytes / t_req / 1e9
+            row["encode_then_decode_GBps"] = x.nbytes / t_two / 1e9
             row["encode_vs_memcpy"] = t_copy / t_enc
             row["decode_add_vs_memcpy"] = t_copy / t_add
             if with_reference:
@@ -145,14 +158,15 @@ def main(argv: list[str] | None = None) -> int:
     load_after = os.getloadavg()
 
     headers = ["MiB", "bits", "memcpy", "enc", "enc/memcpy", "enc best", "enc SR", "dec_add",
-               "add/memcpy"]  # fmt: skip
+               "add/memcpy", "requant", "enc+dec"]  # fmt: skip
     if not args.no_reference:
         headers += ["ref enc", "enc/ref", "ref add", "add/ref"]
     table = []
     for r in rows:
         line = [r["MiB"], r["bits"], r["memcpy_GBps"], r["encode_GBps"], r["encode_vs_memcpy"],
                 r["encode_best_GBps"], r["encode_sr_GBps"], r["decode_add_GBps"],
-                r["decode_add_vs_memcpy"]]  # fmt: skip
+                r["decode_add_vs_memcpy"], r["requantize_GBps"],
+                r["encode_then_decode_GBps"]]  # fmt: skip
         if not args.no_reference:
             line += [r["ref_encode_GBps"], r["encode_vs_ref"], r["ref_decode_add_GBps"],
                      r["decode_add_vs_ref"]]  # fmt: skip
