@@ -42,6 +42,7 @@ from cgx_ucx.compression import (
     encode_decode,
     encoded_nbytes,
     read_header,
+    reduce_encode,
     reference,
 )
 from cgx_ucx.errors import CodecError, ConfigError
@@ -494,7 +495,7 @@ def test_bad_out_and_acc_raise_codec_error() -> None:
 
 
 @pytest.mark.timeout(120)
-@SETTINGS
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     case=cases,
     stochastic=st.booleans(),
@@ -559,6 +560,93 @@ def test_encode_decode_reference_backend_agrees() -> None:
     ba = encode_decode(x, 5, 100, decoded=a, stochastic=True, seed=9)
     bb = reference.encode_decode(x, 5, 100, decoded=b, stochastic=True, seed=9)
     assert np.array_equal(ba, bb) and np.array_equal(a, b)
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    case=cases,
+    stochastic=st.booleans(),
+    rseed=st.integers(0, 2**64 - 1),
+    divisor=st.sampled_from([0, 2, 3, 7]),
+    peer_bits=st.sampled_from(["same", 32, 3]),
+    target=st.sampled_from(["in place", "float32", "same dtype"]),
+)
+def test_reduce_encode_equals_its_three_steps(
+    case: tuple, stochastic: bool, rseed: int, divisor: int, peer_bits: Any, target: str
+) -> None:
+    """acc += decode(peer); acc /= divisor; encode_decode(acc): the same bytes, accumulator
+    and decoded values, whether the one-pass kernel applies (same width and bucket) or not
+    (another width in, or an uncompressed segment)."""
+    seed, n, bits, bucket, dtype, kind = case
+    peer_values = make_values(seed + 1, n, dtype, kind)
+    if n > 5:
+        peer_values[(seed // 7) % n] = [np.nan, np.inf, 1.0][seed % 3]
+    peer = encode(peer_values, bits if peer_bits == "same" else peer_bits, bucket)
+    acc0 = make_values(seed, n, np.dtype(np.float32), kind)
+    out_dtype = dtype if target == "same dtype" else np.float32  # in place: acc's float32
+
+    want_acc = acc0.copy()
+    decode_add(peer, want_acc)
+    if divisor:
+        np.divide(want_acc, divisor, out=want_acc)
+    want_dec = np.empty(n, out_dtype)
+    want = encode_decode(
+        want_acc.copy(), bits, bucket, decoded=want_dec, stochastic=stochastic, seed=rseed
+    )
+    acc = acc0.copy()
+    dec = acc if target == "in place" else np.full(n, 5, out_dtype)
+    kw = {"decoded": dec, "divisor": divisor, "stochastic": stochastic, "seed": rseed}
+    got = reduce_encode(peer, acc, bits, bucket, **kw)
+    assert np.array_equal(got, want)
+    if target == "in place":
+        assert np.array_equal(acc.view(np.uint8), want_dec.view(np.uint8))
+    else:
+        assert np.array_equal(acc.view(np.uint32), want_acc.view(np.uint32))
+        assert np.array_equal(dec.view(np.uint8), want_dec.view(np.uint8))
+    ref_acc = acc0.copy()
+    ref_dec = ref_acc if target == "in place" else np.empty(n, out_dtype)
+    ref = reference.reduce_encode(peer, ref_acc, bits, bucket, **{**kw, "decoded": ref_dec})
+    assert np.array_equal(ref, want)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_reduce_encode_parallel_in_place(threads: int) -> None:
+    n = cpu.PARALLEL_MIN_NUMEL * 3 + 5
+    peer = encode(make_values(12, n, np.dtype(np.float32), "normal"), 4, 1000)
+    acc0 = make_values(13, n, np.dtype(np.float32), "normal")
+    want_acc = acc0.copy()
+    decode_add(peer, want_acc)
+    np.divide(want_acc, 2, out=want_acc)
+    want = encode(want_acc, 4, 1000, stochastic=True, seed=4)
+    cpu.set_num_threads(threads)
+    try:
+        acc = acc0.copy()
+        got = reduce_encode(peer, acc, 4, 1000, decoded=acc, divisor=2, stochastic=True, seed=4)
+    finally:
+        cpu.set_num_threads(None)
+    assert np.array_equal(got, want)
+    assert np.array_equal(acc.view(np.uint32), decode(want).view(np.uint32))
+
+
+def test_reduce_encode_bad_arguments_raise_codec_error() -> None:
+    peer = encode(np.ones(100, np.float32), 4, 16)
+    acc = np.zeros(100, np.float32)
+    for kwargs in (
+        {"decoded": np.empty(99, np.float32)},
+        {"decoded": acc, "divisor": -1},
+        {"decoded": acc, "divisor": 1.5},
+        {"decoded": acc, "divisor": True},
+    ):
+        with pytest.raises(CodecError):
+            reduce_encode(peer, acc, 4, 16, **kwargs)
+    for bad_acc in (np.zeros(100, np.float64), np.zeros(99, np.float32)):
+        with pytest.raises(CodecError):
+            reduce_encode(peer, bad_acc, 4, 16, decoded=np.empty(bad_acc.size, np.float32))
+    with pytest.raises(CodecError):
+        reduce_encode(peer[:-1], acc, 4, 16, decoded=acc)  # a truncated segment
+    assert np.array_equal(acc, np.zeros(100, np.float32))  # nothing was written
 
 
 def test_encode_decode_bad_decoded_raises_codec_error() -> None:
@@ -836,7 +924,7 @@ def test_helper_thread_errors_reach_the_caller() -> None:
     cpu.set_num_threads(2)
     try:
         with pytest.raises(ValueError, match="boom"):
-            cpu._run_chunks(run, cpu.PARALLEL_MIN_NUMEL, 64, cpu.BATCH_VALUES // 8)
+            cpu.run_chunks(run, cpu.PARALLEL_MIN_NUMEL, 64, cpu.BATCH_VALUES // 8)
     finally:
         cpu.set_num_threads(None)
 

@@ -15,7 +15,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..compression import decode, decode_add, encode, encode_decode
+from ..arrays import xp_of
+from ..compression import decode, decode_add, encode, encode_decode, reduce_encode
 from ..transport.progress import host_oversubscribed
 from .plan import Piece
 
@@ -26,6 +27,7 @@ __all__ = [
     "decode_piece",
     "encode_piece",
     "mix_seed",
+    "reduce_requantize_piece",
     "requantize_piece",
 ]
 
@@ -148,3 +150,54 @@ def requantize_piece(
     return encode_piece(
         acc, base, piece, buf, stochastic, seed, seq, rank, raw_src=x, raw_base=0, decoded=x
     )
+
+
+def reduce_requantize_piece(
+    buf: Any,
+    piece: Piece,
+    acc: Any,
+    base: int,
+    x: Any,
+    divisor: int,
+    out: Any,
+    stochastic: bool,
+    seed: int,
+    seq: int,
+    rank: int,
+) -> Any:
+    """The owner's last contribution to a piece and its requantization at once:
+    ``decode_add_piece(buf, ...)``, ``acc[piece] /= divisor`` (when > 0), then
+    ``requantize_piece(...)`` into ``out``, with the same bytes and values as those steps
+    (one pass per compressed segment, :func:`~cgx_ucx.compression.reduce_encode`).
+    ``buf`` is the peer's encoding of the piece (segments of the caller's dtype ``x.dtype``);
+    returns the wire bytes."""
+    pos_in = pos = 0
+    for seg in piece.segments:
+        n_in = seg.wire_nbytes(x.dtype)
+        part_in = buf[pos_in : pos_in + n_in]
+        a = acc[seg.start - base : seg.stop - base]
+        dst = x[seg.start : seg.stop]
+        if seg.bits == 32:
+            decode_add(part_in, a)
+            if divisor:
+                xp_of(a).divide(a, divisor, out=a)
+            dst[...] = a
+            n = seg.wire_nbytes(x.dtype)
+            encode(dst, 32, seg.bucket_size, out=out[pos : pos + n])
+        else:
+            n = seg.wire_nbytes(a.dtype)
+            s = mix_seed(seed, seq, rank, seg.layer, seg.start) if stochastic else 0
+            reduce_encode(
+                part_in,
+                a,
+                seg.bits,
+                seg.bucket_size,
+                decoded=dst,
+                divisor=divisor,
+                out=out[pos : pos + n],
+                stochastic=stochastic,
+                seed=s,
+            )
+        pos_in += n_in
+        pos += n
+    return out[:pos]

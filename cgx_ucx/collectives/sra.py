@@ -29,7 +29,7 @@ from typing import Any
 from ..errors import ProtocolError
 from ..transport.frames import Frame
 from .call import PH_DATA, PH_SIG, Call, cancel_pending, gather_or_cancel
-from .piece_codec import decode_add_piece
+from .piece_codec import decode_add_piece, reduce_requantize_piece
 from .reduction import AllreduceSpec, PieceSteps
 from .staging import synchronize
 
@@ -163,13 +163,13 @@ class Sra(PieceSteps):
         for p in self.peers:
             self.gather_tasks.append(asyncio.ensure_future(self.gather_recv(p)))
         acc = self.accumulator()
-        base, count = own.start, len(own.pieces)
+        count = len(own.pieces)
         for k, piece in enumerate(own.pieces):
-            a = await self.reduce_piece(acc, k, piece)
             if spec.raw:
+                a = await self.reduce_piece(acc, k, piece)
                 payload = self.raw_result(piece, a, spec.inplace)
             else:
-                payload = await self.requantize(piece, acc, base)
+                payload = await self.reduce_requantize(acc, k, piece)
             synchronize(payload)
             for p in self.peers:
                 self.gather_tasks.append(
@@ -193,6 +193,34 @@ class Sra(PieceSteps):
         if self.spec.avg:
             self.xp.divide(a, self.n_world, out=a)
         return a
+
+    async def reduce_requantize(self, acc: Any, k: int, piece: Any) -> Any:
+        """Compressed path: :meth:`reduce_piece`, then :meth:`requantize`, with the last
+        peer's piece added, averaged and requantized in one pass
+        (:func:`~.piece_codec.reduce_requantize_piece`): the same bytes and values, one
+        pass over the piece fewer. Returns the wire bytes."""
+        base, spec = self.own.start, self.spec
+        *first, last = sorted(self.peers)
+        for p in first:
+            buf = await self.scatter.fut(p, k)
+            await self.codec.run(piece.numel, decode_add_piece, buf, piece, acc, base, self.dtype)
+        buf = await self.scatter.fut(last, k)
+        out = self.call.take(piece.wire_nbytes(self.dtype), self.x)
+        return await self.codec.run(
+            piece.numel,
+            reduce_requantize_piece,
+            buf,
+            piece,
+            acc,
+            base,
+            self.x,
+            self.n_world if spec.avg else 0,
+            out,
+            spec.stochastic,
+            spec.seed,
+            self.call.seq,
+            self.rank,
+        )
 
     async def gather_recv(self, p: int) -> None:
         """Peer ``p``'s reduced chunk, piece by piece, into the caller's buffer."""

@@ -16,6 +16,7 @@ from .codec import (
     encode_decode,
     encoded_nbytes,
     read_header,
+    reduce_encode,
 )
 from .feedback import ErrorFeedback
 
@@ -31,4 +32,5 @@ __all__ = [
     "encode_decode",
     "encoded_nbytes",
     "read_header",
+    "reduce_encode",
 ]

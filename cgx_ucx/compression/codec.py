@@ -69,6 +69,7 @@ from ..arrays import (
     is_array,
     is_cupy,
     is_float_dtype,
+    xp_of,
 )
 from ..errors import CodecError
 
@@ -85,6 +86,7 @@ __all__ = [
     "encode_decode",
     "encoded_nbytes",
     "read_header",
+    "reduce_encode",
 ]
 
 MAGIC = b"CGXQ"
@@ -364,6 +366,50 @@ def encode_decode_with(
     return buf
 
 
+def reduce_encode_with(
+    backend: ModuleType,
+    buf: Any,
+    acc: Any,
+    bits: int,
+    bucket_size: int = 1024,
+    *,
+    decoded: Any,
+    divisor: int = 0,
+    out: Any = None,
+    stochastic: bool = False,
+    seed: int = 0,
+) -> Any:
+    """:func:`reduce_encode` through a given backend module (used by :mod:`.reference`)."""
+    buf = as_uint8_buffer(buf)
+    hdr_in = read_header(buf)
+    _check_out(acc, hdr_in.numel, buf, "acc")
+    if acc.dtype != np.float32:
+        raise CodecError(f"acc must be float32, got {acc.dtype}")
+    if isinstance(divisor, bool) or not isinstance(divisor, int | np.integer) or divisor < 0:
+        raise CodecError(f"divisor must be an integer >= 0, got {divisor!r}")
+    hdr, seed, target = _encode_target(backend, acc, bits, bucket_size, out, stochastic, seed)
+    if not is_array(decoded):
+        raise CodecError(f"decoded must be an array, got {type(decoded).__name__}")
+    _check_out(decoded, hdr.numel, acc, "decoded")
+    fused = getattr(backend, "reduce_encode_into", None)
+    if fused is not None and fused(buf, hdr_in, acc, int(divisor), hdr, seed, target, decoded):
+        return target
+    if hdr_in.numel:
+        backend.decode_add_into(buf, hdr_in, acc)
+    if divisor:
+        xp_of(acc).divide(acc, int(divisor), out=acc)
+    return encode_decode_with(
+        backend,
+        acc,
+        bits,
+        bucket_size,
+        decoded=decoded,
+        out=target,
+        stochastic=stochastic,
+        seed=seed,
+    )
+
+
 def decode_with(backend: ModuleType, buf: Any, out: Any = None) -> Any:
     """:func:`decode` through a given backend module (used by :mod:`.reference`)."""
     buf = as_uint8_buffer(buf)
@@ -436,6 +482,38 @@ def encode_decode(
         bits,
         bucket_size,
         decoded=decoded,
+        out=out,
+        stochastic=stochastic,
+        seed=seed,
+    )
+
+
+def reduce_encode(
+    buf: Any,
+    acc: Any,
+    bits: int,
+    bucket_size: int = 1024,
+    *,
+    decoded: Any,
+    divisor: int = 0,
+    out: Any = None,
+    stochastic: bool = False,
+    seed: int = 0,
+) -> Any:
+    """The owner's last step on a reduced piece: ``acc += decode(buf)`` (as
+    :func:`decode_add`), ``acc /= divisor`` when ``divisor`` > 0 (an average), then
+    ``encode_decode(acc, bits, bucket_size, decoded=decoded, ...)``. The result (segment,
+    ``acc``, ``decoded``) is bit for bit that of those three calls; the host kernels do
+    them in one pass where ``buf`` has the same width and bucket size as the output.
+    ``decoded`` may be ``acc`` itself. Returns the segment."""
+    return reduce_encode_with(
+        _backend_for(acc),
+        buf,
+        acc,
+        bits,
+        bucket_size,
+        decoded=decoded,
+        divisor=divisor,
         out=out,
         stochastic=stochastic,
         seed=seed,

@@ -7,8 +7,8 @@ once from memory, reduced to (min, max) and quantized into a per-thread scratch 
 while it is still in L1; the chunk's codes are then bit-packed from that scratch. With the
 usual bucket sizes (multiples of 8, e.g. 512 or 1024) a chunk is one bucket. Decode runs
 the same way backwards (unpack to scratch, then dequantize or accumulate). Large calls
-share their chunks with helper threads (:func:`_run_chunks`); the kernels run without the
-GIL.
+share their chunks with helper threads (:func:`.cpu_threads.run_chunks`); the kernels run
+without the GIL.
 
 The float32 arithmetic is the reference's (see :mod:`.codec`) with no fast-math and no
 fused multiply-add, so the bytes equal :mod:`.reference`'s exactly; the tests check it.
@@ -21,21 +21,27 @@ cached on disk (``cache=True``).
 
 from __future__ import annotations
 
-import concurrent.futures
-import os
-import threading
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from ..arrays import BFLOAT16, check_positive_int
+from ..arrays import BFLOAT16
 from .codec import HEADER_NBYTES, CodecHeader
+from .cpu_threads import (
+    BATCH_VALUES,
+    PARALLEL_MIN_NUMEL,
+    num_threads,
+    run_chunks,
+    set_num_threads,
+    threads_chosen,
+)
 from .reference import GOLDEN, MIX1, MIX2, U_SHIFT, empty_bytes, empty_values, seed_key
 
 __all__ = [
+    "BATCH_VALUES",
+    "PARALLEL_MIN_NUMEL",
     "decode_add_into",
     "decode_into",
     "empty_bytes",
@@ -43,16 +49,12 @@ __all__ = [
     "encode_decode_into",
     "encode_into",
     "num_threads",
+    "reduce_encode_into",
     "set_num_threads",
     "threads_chosen",
     "warm_up",
     "warmup",
 ]
-
-#: Below this many values a call stays on the calling thread: handing batches to a helper
-#: thread (submit, wake-up, GIL hand-off) costs about as much as encoding this many values
-#: on one core, so smaller calls gain nothing from helpers (measured, not guessed).
-PARALLEL_MIN_NUMEL = 1 << 18
 
 _GOLDEN = np.uint64(GOLDEN)
 _MIX1 = np.uint64(MIX1)
@@ -259,6 +261,14 @@ def _pack(sc, m, bits, cb):
 
 
 @njit
+def _chunk_span(n, bsize, k, chunk):
+    """(first bucket, end bucket, first value, end value) of chunk ``chunk``."""
+    b0 = chunk * k
+    b1 = min(b0 + k, (n + bsize - 1) // bsize)
+    return b0, b1, b0 * bsize, min(b1 * bsize, n)
+
+
+@njit
 def _encode_chunk(x, n, bits, bsize, k, stochastic, key, meta, codes, chunk, sc, dec):
     """Encode chunk ``chunk`` (k buckets, starting on a code byte) using scratch ``sc``.
 
@@ -269,11 +279,7 @@ def _encode_chunk(x, n, bits, bsize, k, stochastic, key, meta, codes, chunk, sc,
     the bucket is still in L1: a requantization in one pass instead of two.
     """
     levels = np.float32((1 << bits) - 1)
-    nbuckets = (n + bsize - 1) // bsize
-    b0 = chunk * k
-    b1 = min(b0 + k, nbuckets)
-    cs = b0 * bsize
-    ce = min(b1 * bsize, n)
+    b0, b1, cs, ce = _chunk_span(n, bsize, k, chunk)
     for b in range(b0, b1):
         s = b * bsize
         e = min(s + bsize, n)
@@ -356,11 +362,7 @@ def _dequantize(sc, ob, unit, mn, add):
 
 @njit
 def _decode_chunk(codes, meta, n, bits, bsize, k, out, add, chunk, sc):
-    nbuckets = (n + bsize - 1) // bsize
-    b0 = chunk * k
-    b1 = min(b0 + k, nbuckets)
-    cs = b0 * bsize
-    ce = min(b1 * bsize, n)
+    b0, b1, cs, ce = _chunk_span(n, bsize, k, chunk)
     m = ce - cs
     off = (cs // 8) * bits
     _unpack(codes[off : off + (m * bits + 7) // 8], m, bits, sc)
@@ -375,6 +377,50 @@ def _decode_range(codes, meta, n, bits, bsize, k, out, add, c0, c1, nsc):
     sc = np.empty(nsc, dtype=np.uint8)
     for c in range(c0, c1):
         _decode_chunk(codes, meta, n, bits, bsize, k, out, add, c, sc)
+
+
+# ---------------------------------------------------------------------------------------
+# reduce_encode: the owner's last step on a piece (add the last contribution, average,
+# requantize) in one pass per bucket
+
+
+@njit
+def _reduce_encode_chunk(cin, min_, acc, n, bits, bsize, k, div, stochastic, key, meta, codes,
+                         chunk, sc, dec):  # fmt: skip
+    """Chunk ``chunk``: acc += decode(cin, min_) (as :func:`_decode_chunk` adds), acc /= div
+    when div > 0, then encode acc into (meta, codes) and decode it into ``dec`` (as
+    :func:`_encode_chunk` does), bucket by bucket while each is in L1. The incoming codes
+    of a bucket are consumed before its outgoing codes overwrite them in ``sc``."""
+    levels = np.float32((1 << bits) - 1)
+    b0, b1, cs, ce = _chunk_span(n, bsize, k, chunk)
+    m = ce - cs
+    off = (cs // 8) * bits
+    nb = (m * bits + 7) // 8
+    _unpack(cin[off : off + nb], m, bits, sc)
+    for b in range(b0, b1):
+        s = b * bsize
+        e = min(s + bsize, n)
+        ab = acc[s:e]
+        _dequantize(sc[s - cs : e - cs], ab, min_[2 * b], min_[2 * b + 1], True)
+        if div > 0:
+            d = np.float32(div)
+            for i in range(ab.shape[0]):
+                ab[i] = ab[i] / d
+        unit, mn = _bucket_meta(ab, levels)
+        meta[2 * b] = unit
+        meta[2 * b + 1] = mn
+        _quantize(ab, sc[s - cs : e - cs], unit, mn, levels, stochastic, key, s)
+        _dequantize(sc[s - cs : e - cs], dec[s:e], unit, mn, False)
+    _pack(sc, m, bits, codes[off : off + nb])
+
+
+@njit(nogil=True, cache=True)
+def _reduce_encode_range(cin, min_, acc, n, bits, bsize, k, div, stochastic, key, meta, codes,
+                         c0, c1, nsc, dec):  # fmt: skip
+    sc = np.empty(nsc, dtype=np.uint8)
+    for c in range(c0, c1):
+        _reduce_encode_chunk(cin, min_, acc, n, bits, bsize, k, div, stochastic, key, meta,
+                             codes, c, sc, dec)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------
@@ -397,129 +443,6 @@ def _chunking(hdr: CodecHeader) -> tuple[int, int]:
     """(buckets per chunk, number of chunks): chunks start on whole code bytes."""
     k = 8 // int(np.gcd(hdr.bucket_size, 8))
     return k, -(-hdr.nbuckets // k)
-
-
-# ---------------------------------------------------------------------------------------
-# parallelism: the caller and up to threads-1 helper threads take batches of chunks from a
-# shared cursor and run the GIL-free kernels on them. Not Numba's prange: a prange region
-# ends in a barrier that waits for every OpenMP thread, and on a host shared with busy
-# processes a thread that is not scheduled stalls each call by scheduler time slices
-# (small encodes became orders of magnitude slower on a loaded host). Here a helper
-# that has not started yet finds the work done and touches nothing, so the caller waits at
-# most for batches already running. GNU OpenMP is also not fork-safe; plain threads are.
-
-#: Values per batch: enough work on one core that the cursor (a lock and a Numba call per
-#: batch) costs a few percent of it, while batches stay small enough to share evenly.
-BATCH_VALUES = 1 << 17
-
-_threads: int | None = None  # set_num_threads(); None: every core this process may use
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_pool_size = 0
-_pool_lock = threading.Lock()
-
-
-def _available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
-
-
-def set_num_threads(n: int | None) -> None:
-    """Threads a large encode/decode may use (the caller's included); None: all cores.
-
-    On a host shared with other busy processes (several ranks per host, or torch's own
-    threads during backward) give each rank ``cores // local_ranks``; 1 keeps every call
-    on the calling thread.
-    """
-    global _threads
-    _threads = None if n is None else check_positive_int(n, "codec threads")
-
-
-def threads_chosen() -> bool:
-    """Whether :func:`set_num_threads` chose a thread count (else: every core)."""
-    return _threads is not None
-
-
-def num_threads() -> int:
-    """Threads a large call uses: set_num_threads(), else the cores this process may use."""
-    return _threads if _threads is not None else _available_cores()
-
-
-def _helpers(count: int) -> concurrent.futures.ThreadPoolExecutor:
-    """The helper threads (created on first use, grown when more are asked for)."""
-    global _pool, _pool_size
-    with _pool_lock:
-        if _pool is None or _pool_size < count:
-            old = _pool
-            _pool = concurrent.futures.ThreadPoolExecutor(count, thread_name_prefix="cgx-codec")
-            _pool_size = count
-            if old is not None:
-                old.shutdown(wait=False)
-        return _pool
-
-
-def _forget_pool_in_child() -> None:  # its threads do not exist after fork
-    global _pool, _pool_size
-    _pool, _pool_size = None, 0
-
-
-os.register_at_fork(after_in_child=_forget_pool_in_child)
-
-
-class _Batches:
-    """A shared cursor over chunks [0, nchunks), taken ``batch`` chunks at a time."""
-
-    def __init__(self, run: Callable[[int, int], None], nchunks: int, batch: int) -> None:
-        self.run, self.nchunks, self.batch = run, nchunks, batch
-        self.cursor = 0
-        self.active = 0
-        self.closed = False
-        self.error: BaseException | None = None
-        self.cv = threading.Condition()
-
-    def work(self) -> None:
-        while True:
-            with self.cv:
-                if self.closed or self.cursor >= self.nchunks:
-                    return
-                c0 = self.cursor
-                self.cursor = c1 = min(c0 + self.batch, self.nchunks)
-                self.active += 1
-            try:
-                self.run(c0, c1)
-            except BaseException as exc:  # re-raised on the caller's thread
-                self.error = self.error or exc
-            finally:
-                with self.cv:
-                    self.active -= 1
-                    self.cv.notify_all()
-
-    def finish(self) -> None:
-        """Close the cursor and wait only for the batches that are running.
-
-        The wait is bounded by one batch of kernel work (no I/O, no other dependency).
-        """
-        with self.cv:
-            self.closed = True
-            while self.active:
-                self.cv.wait()
-        if self.error is not None:
-            raise self.error
-
-
-def _run_chunks(run: Callable[[int, int], None], n: int, nchunks: int, chunk_values: int) -> None:
-    """``run(c0, c1)`` over all chunks: on this thread, or shared with helper threads."""
-    threads = min(num_threads(), nchunks)
-    if threads <= 1 or n < PARALLEL_MIN_NUMEL:
-        run(0, nchunks)
-        return
-    batches = _Batches(run, nchunks, max(1, BATCH_VALUES // chunk_values))
-    pool = _helpers(threads - 1)
-    for _ in range(threads - 1):
-        pool.submit(batches.work)
-    batches.work()
-    batches.finish()
 
 
 def _meta_view(buf: np.ndarray, hdr: CodecHeader) -> tuple[np.ndarray, bool]:
@@ -555,6 +478,48 @@ def encode_decode_into(
     _encode(x, hdr, seed, buf, dec)
 
 
+def reduce_encode_into(
+    buf_in: np.ndarray,
+    hdr_in: CodecHeader,
+    acc: np.ndarray,
+    divisor: int,
+    hdr: CodecHeader,
+    seed: int,
+    buf: np.ndarray,
+    decoded: np.ndarray,
+) -> bool:
+    """acc += decode(buf_in); acc /= divisor (when > 0); encode acc into ``buf`` and
+    ``decoded`` = decode(buf), in one pass. False (nothing done) where the pass does not
+    apply: widths or buckets that differ in and out, uncompressed segments, an exotic
+    ``decoded`` dtype, or ``decoded`` overlapping ``acc`` shifted."""
+    dec = _kernel_view(decoded)
+    same = (hdr_in.bits, hdr_in.bucket_size, hdr_in.numel) == (hdr.bits, hdr.bucket_size, hdr.numel)
+    if not same or hdr.raw or dec is None or acc.dtype != np.float32:
+        return False
+    if decoded.ctypes.data != acc.ctypes.data and np.may_share_memory(acc, decoded):
+        return False
+    buf[:HEADER_NBYTES] = np.frombuffer(hdr.pack(), dtype=np.uint8)
+    n = hdr.numel
+    if n == 0:
+        return True
+    meta_in, _ = _meta_view(buf_in, hdr_in)
+    codes_in = buf_in[hdr_in.codes_offset :]
+    meta, is_view = _meta_view(buf, hdr)
+    codes = buf[hdr.codes_offset :]
+    k, nchunks = _chunking(hdr)
+    key = np.uint64(seed_key(seed))
+    nsc = min(k * hdr.bucket_size, n)
+
+    def run(c0: int, c1: int) -> None:
+        _reduce_encode_range(codes_in, meta_in, acc, n, hdr.bits, hdr.bucket_size, k, divisor,
+                             hdr.stochastic, key, meta, codes, c0, c1, nsc, dec)  # fmt: skip
+
+    run_chunks(run, n, nchunks, k * hdr.bucket_size)
+    if not is_view:
+        buf[HEADER_NBYTES : hdr.codes_offset] = meta.view(np.uint8)
+    return True
+
+
 def _encode(x: np.ndarray, hdr: CodecHeader, seed: int, buf: np.ndarray, dec: Any) -> None:
     buf[:HEADER_NBYTES] = np.frombuffer(hdr.pack(), dtype=np.uint8)
     n = hdr.numel
@@ -575,7 +540,7 @@ def _encode(x: np.ndarray, hdr: CodecHeader, seed: int, buf: np.ndarray, dec: An
         _encode_range(xk, n, hdr.bits, hdr.bucket_size, k, hdr.stochastic, key, meta, codes,
                       c0, c1, nsc, dec)  # fmt: skip
 
-    _run_chunks(run, n, nchunks, k * hdr.bucket_size)
+    run_chunks(run, n, nchunks, k * hdr.bucket_size)
     if not is_view:
         buf[HEADER_NBYTES : hdr.codes_offset] = meta.view(np.uint8)
 
@@ -607,7 +572,7 @@ def _decode(buf: np.ndarray, hdr: CodecHeader, out: np.ndarray, add: bool) -> No
     def run(c0: int, c1: int) -> None:
         _decode_range(codes, meta, n, hdr.bits, hdr.bucket_size, k, target, add, c0, c1, nsc)
 
-    _run_chunks(run, n, nchunks, k * hdr.bucket_size)
+    run_chunks(run, n, nchunks, k * hdr.bucket_size)
 
 
 def decode_into(buf: np.ndarray, hdr: CodecHeader, out: np.ndarray) -> None:
@@ -636,6 +601,11 @@ def warmup(dtypes: tuple[Any, ...] = (np.float32,)) -> None:
         decode_into(buf, hdr, np.empty(n, dtype=dt))
         decode_add_into(buf, hdr, np.zeros(n, np.float32))
         encode_decode_into(np.zeros(n, np.float32), acc_hdr, 0, buf, np.empty(n, dtype=dt))
+        acc_buf = empty_bytes(acc_hdr.nbytes)
+        encode_into(np.zeros(n, np.float32), acc_hdr, 0, acc_buf)
+        out = empty_bytes(acc_hdr.nbytes)
+        acc = np.zeros(n, np.float32)
+        reduce_encode_into(acc_buf, acc_hdr, acc, 2, acc_hdr, 0, out, np.empty(n, dtype=dt))
 
 
 def warm_up() -> None:

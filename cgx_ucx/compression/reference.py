@@ -25,7 +25,15 @@ from ..errors import CodecError
 from . import codec
 from .codec import HEADER_NBYTES, CodecHeader
 
-__all__ = ["decode", "decode_add", "encode", "encode_decode", "seed_key", "uniform"]
+__all__ = [
+    "decode",
+    "decode_add",
+    "encode",
+    "encode_decode",
+    "reduce_encode",
+    "seed_key",
+    "uniform",
+]
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("cgx_ucx's codec writes float32 meta in host order: little-endian only")
@@ -217,6 +225,34 @@ def encode_decode(
         raise CodecError("the NumPy reference takes NumPy arrays")
     return codec.encode_decode_with(
         _SELF, x, bits, bucket_size, decoded=decoded, out=out, stochastic=stochastic, seed=seed
+    )
+
+
+def reduce_encode(
+    buf: Any,
+    acc: np.ndarray,
+    bits: int,
+    bucket_size: int = 1024,
+    *,
+    decoded: np.ndarray,
+    divisor: int = 0,
+    out: np.ndarray | None = None,
+    stochastic: bool = False,
+    seed: int = 0,
+) -> np.ndarray:
+    """:func:`cgx_ucx.compression.reduce_encode` computed by the NumPy reference (decode_add,
+    divide, encode, decode: one pass each)."""
+    return codec.reduce_encode_with(
+        _SELF,
+        _host(buf),
+        acc,
+        bits,
+        bucket_size,
+        decoded=decoded,
+        divisor=divisor,
+        out=out,
+        stochastic=stochastic,
+        seed=seed,
     )
 
 
