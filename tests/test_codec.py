@@ -938,6 +938,7 @@ def test_codec_benchmark_writes_its_table(tmp_path: Any, capsys: pytest.CaptureF
     args = ["--sizes", "0.25", "--bits", "4", "--repeat", "2", "--no-reference", "--quiet"]
     assert main([*args, "--out-dir", str(tmp_path)]) == 0
     (row,) = json.loads((tmp_path / "codec.json").read_text())["rows"]
-    for key in ("encode_GBps", "decode_add_GBps", "requantize_GBps", "encode_then_decode_GBps"):
+    keys = ["encode_GBps", "decode_add_GBps", "requantize_GBps", "encode_then_decode_GBps"]
+    for key in [*keys, "reduce_requantize_GBps", "decode_add_encode_decode_GBps"]:
         assert row[key] > 0, key
     assert "requant" in capsys.readouterr().out

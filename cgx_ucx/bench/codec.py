@@ -5,7 +5,9 @@
 For each size (MiB of float32 input) and bit width it times, in the same run and on the
 same buffers: ``np.copyto`` of the input (memcpy; its GB/s are bytes read per second),
 ``encode`` (round to nearest and stochastic), ``decode_add`` and the owner's requantization
-(``encode_decode`` in place, one pass, next to the ``encode`` then ``decode`` it replaces)
+(``encode_decode`` in place, one pass, next to the ``encode`` then ``decode`` it replaces;
+``reduce_encode``, which also adds the last peer's piece and averages, next to
+``decode_add``, divide, ``encode``, ``decode``)
 with the Numba backend, and ``encode``/``decode_add`` with the NumPy reference. Every
 figure is GB/s of float32 input (bytes of the float32 values / median time after
 warm-up), with ratios to memcpy and to
@@ -31,7 +33,15 @@ from typing import Any
 
 import numpy as np
 
-from ..compression import decode, decode_add, encode, encode_decode, encoded_nbytes, reference
+from ..compression import (
+    decode,
+    decode_add,
+    encode,
+    encode_decode,
+    encoded_nbytes,
+    reduce_encode,
+    reference,
+)
 from .report import (
     HelpFormatter,
     Progress,
@@ -72,6 +82,14 @@ def _encode_then_decode(y: np.ndarray, bits: int, bucket: int, out: np.ndarray) 
     decode(encode(y, bits, bucket, out=out), out=y)
 
 
+def _reduce_then_requantize(
+    peer: np.ndarray, y: np.ndarray, bits: int, bucket: int, out: np.ndarray
+) -> None:
+    decode_add(peer, y)
+    np.divide(y, 2, out=y)
+    _encode_then_decode(y, bits, bucket, out)
+
+
 def run(
     sizes_mib: list[float],
     bits_list: list[int],
@@ -100,6 +118,14 @@ def run(
                 partial(encode_decode, y, bits, bucket, out=out, decoded=y), repeat
             )
             t_two = _median_time(partial(_encode_then_decode, y, bits, bucket, out), repeat)
+            peer = encode(x, bits, bucket)  # the last peer's piece, added before requantizing
+            t_red = _median_time(
+                partial(reduce_encode, peer, y, bits, bucket, decoded=y, divisor=2, out=out),
+                repeat,
+            )
+            t_three = _median_time(
+                partial(_reduce_then_requantize, peer, y, bits, bucket, out), repeat
+            )
             row: dict[str, Any] = {"MiB": mib, "numel": n, "bits": bits}
             row["memcpy_GBps"] = x.nbytes / t_copy / 1e9
             row["memcpy_best_GBps"] = x.nbytes / b_copy / 1e9
@@ -110,6 +136,8 @@ def run(
             row["decode_add_GBps"] = x.nbytes / t_add / 1e9
             row["requantize_GBps"] = x.nbytes / t_req / 1e9
             row["encode_then_decode_GBps"] = x.nbytes / t_two / 1e9
+            row["reduce_requantize_GBps"] = x.nbytes / t_red / 1e9
+            row["decode_add_encode_decode_GBps"] = x.nbytes / t_three / 1e9
             row["encode_vs_memcpy"] = t_copy / t_enc
             row["decode_add_vs_memcpy"] = t_copy / t_add
             if with_reference:
@@ -158,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     load_after = os.getloadavg()
 
     headers = ["MiB", "bits", "memcpy", "enc", "enc/memcpy", "enc best", "enc SR", "dec_add",
-               "add/memcpy", "requant", "enc+dec"]  # fmt: skip
+               "add/memcpy", "requant", "enc+dec", "red+req", "add+enc+dec"]  # fmt: skip
     if not args.no_reference:
         headers += ["ref enc", "enc/ref", "ref add", "add/ref"]
     table = []
@@ -166,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         line = [r["MiB"], r["bits"], r["memcpy_GBps"], r["encode_GBps"], r["encode_vs_memcpy"],
                 r["encode_best_GBps"], r["encode_sr_GBps"], r["decode_add_GBps"],
                 r["decode_add_vs_memcpy"], r["requantize_GBps"],
-                r["encode_then_decode_GBps"]]  # fmt: skip
+                r["encode_then_decode_GBps"], r["reduce_requantize_GBps"],
+                r["decode_add_encode_decode_GBps"]]  # fmt: skip
         if not args.no_reference:
             line += [r["ref_encode_GBps"], r["encode_vs_ref"], r["ref_decode_add_GBps"],
                      r["decode_add_vs_ref"]]  # fmt: skip
