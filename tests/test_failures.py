@@ -223,6 +223,46 @@ def test_abort_of_a_finished_call_is_named_when_the_peer_closes():
     assert f"after aborting collective #{seq}: decoding failed after the exchange" in text, text
 
 
+async def closes_before_its_peer(ctx):
+    """Rank 1 closes right after a collective; rank 0 is still open. Rank 0 logs no
+    warning for that clean end (it would read as a failure at the end of every job whose
+    ranks finish at different times), and its next call still fails, naming the close."""
+    import logging
+
+    comm = await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG)
+    await comm.allreduce(np.ones(100, np.float32))
+    if ctx.rank == 1:
+        await comm.close()
+        ctx.store.set("closed", "1")
+        return [], ""
+    warnings: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warnings.append(record.getMessage())
+
+    handler = Keep(logging.WARNING)
+    logging.getLogger("cgx_ucx").addHandler(handler)
+    try:
+        await _key(ctx.store, "closed")
+        await asyncio.sleep(0.5)
+        try:
+            await comm.allreduce(np.ones(100, np.float32))
+            return warnings, "no error"
+        except PeerLostError as exc:
+            return warnings, str(exc)
+    finally:
+        logging.getLogger("cgx_ucx").removeHandler(handler)
+        await comm.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_closing_first_is_quiet_until_the_next_call():
+    (warnings, text), _ = run_ranks(closes_before_its_peer, 2, timeout=50)
+    assert warnings == [], warnings
+    assert "rank 1 closed its communicator" in text, text
+
+
 async def silent_peer(ctx):
     cfg = CommConfig(timeout=2.0, connect_timeout=30.0)
     comm = await connect(ctx.store, ctx.rank, ctx.world_size, config=cfg)

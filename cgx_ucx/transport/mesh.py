@@ -262,13 +262,15 @@ class Mesh(MeshSetup):
             p.ctrl_task.cancel()
         if p.status is not None and not p.status.done():
             p.status.set_result(None)
-        self.fail(exc)
+        self.fail(exc, quiet)
 
-    def fail(self, exc: CGXError) -> None:
+    def fail(self, exc: CGXError, quiet: bool = False) -> None:
         """Fail every pending and later operation with ``exc``, dropping no peer: for a
-        failure no peer is proven guilty of (a forged frame, a late but live peer)."""
+        failure no peer is proven guilty of (a forged frame, a late but live peer).
+        ``quiet``: log at INFO (a peer that said BYE: a clean end of the job, which the
+        next collective, if any, still reports as an error)."""
         if self._failed is not None and not self._failed.done():
-            log.warning("rank %d: communicator failed: %s", self.rank, exc)
+            (log.info if quiet else log.warning)("rank %d: communicator failed: %s", self.rank, exc)
             self._failed.set_exception(exc)
 
     def check(self) -> None:
