@@ -353,17 +353,23 @@ def encode_decode_with(
 ) -> Any:
     """:func:`encode_decode` through a given backend module (used by :mod:`.reference`)."""
     hdr, seed, buf = _encode_target(backend, x, bits, bucket_size, out, stochastic, seed)
-    if not is_array(decoded):
-        raise CodecError(f"decoded must be an array, got {type(decoded).__name__}")
     _check_out(decoded, hdr.numel, x, "decoded")
+    _encode_decode_checked(backend, x, hdr, seed, buf, decoded)
+    return buf
+
+
+def _encode_decode_checked(
+    backend: ModuleType, x: Any, hdr: CodecHeader, seed: int, buf: Any, decoded: Any
+) -> None:
+    """Encode ``x`` into ``buf`` and decode it into ``decoded`` (arguments checked): in one
+    pass where the backend has one, else encode then decode."""
     fused = getattr(backend, "encode_decode_into", None)
     if fused is not None:
         fused(x, hdr, seed, buf, decoded)
-        return buf
+        return
     backend.encode_into(x, hdr, seed, buf)
     if hdr.numel:
         backend.decode_into(buf, hdr, decoded)
-    return buf
 
 
 def reduce_encode_with(
@@ -382,14 +388,10 @@ def reduce_encode_with(
     """:func:`reduce_encode` through a given backend module (used by :mod:`.reference`)."""
     buf = as_uint8_buffer(buf)
     hdr_in = read_header(buf)
-    _check_out(acc, hdr_in.numel, buf, "acc")
-    if acc.dtype != np.float32:
-        raise CodecError(f"acc must be float32, got {acc.dtype}")
+    _check_acc(acc, hdr_in.numel, buf)
     if isinstance(divisor, bool) or not isinstance(divisor, int | np.integer) or divisor < 0:
         raise CodecError(f"divisor must be an integer >= 0, got {divisor!r}")
     hdr, seed, target = _encode_target(backend, acc, bits, bucket_size, out, stochastic, seed)
-    if not is_array(decoded):
-        raise CodecError(f"decoded must be an array, got {type(decoded).__name__}")
     _check_out(decoded, hdr.numel, acc, "decoded")
     fused = getattr(backend, "reduce_encode_into", None)
     if fused is not None and fused(buf, hdr_in, acc, int(divisor), hdr, seed, target, decoded):
@@ -398,16 +400,8 @@ def reduce_encode_with(
         backend.decode_add_into(buf, hdr_in, acc)
     if divisor:
         xp_of(acc).divide(acc, int(divisor), out=acc)
-    return encode_decode_with(
-        backend,
-        acc,
-        bits,
-        bucket_size,
-        decoded=decoded,
-        out=target,
-        stochastic=stochastic,
-        seed=seed,
-    )
+    _encode_decode_checked(backend, acc, hdr, seed, target, decoded)
+    return target
 
 
 def decode_with(backend: ModuleType, buf: Any, out: Any = None) -> Any:
@@ -427,12 +421,17 @@ def decode_add_with(backend: ModuleType, buf: Any, acc: Any) -> Any:
     """:func:`decode_add` through a given backend module (used by :mod:`.reference`)."""
     buf = as_uint8_buffer(buf)
     hdr = read_header(buf)
-    _check_out(acc, hdr.numel, buf, "acc")
-    if acc.dtype != np.float32:
-        raise CodecError(f"acc must be float32, got {acc.dtype}")
+    _check_acc(acc, hdr.numel, buf)
     if hdr.numel:
         backend.decode_add_into(buf, hdr, acc)
     return acc
+
+
+def _check_acc(acc: Any, numel: int, buf: Any) -> None:
+    """A float32 accumulator of ``numel`` values on ``buf``'s device (decode_add's)."""
+    _check_out(acc, numel, buf, "acc")
+    if acc.dtype != np.float32:
+        raise CodecError(f"acc must be float32, got {acc.dtype}")
 
 
 def _backend_for(a: Any) -> ModuleType:

@@ -21,6 +21,7 @@ cached on disk (``cache=True``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -467,11 +468,8 @@ def encode_decode_into(
 ) -> None:
     """:func:`encode_into`, and ``decoded`` (may be ``x``) = decode(buf), in one pass."""
     dec = _kernel_view(decoded)
-    # The kernel writes a bucket's decoded values right after reading it: fine when they
-    # land on the same bucket, wrong where ``decoded`` overlaps ``x`` shifted.
-    shifted = decoded.ctypes.data != x.ctypes.data and np.may_share_memory(x, decoded)
-    if hdr.raw or dec is None or shifted:  # a copy, an exotic float, an overlap: two passes
-        _encode(x, hdr, seed, buf, None)
+    if hdr.raw or dec is None or _overlap_shifted(x, decoded):
+        _encode(x, hdr, seed, buf, None)  # a copy, an exotic float, an overlap: two passes
         if hdr.numel:
             decode_into(buf, hdr, decoded)
         return
@@ -496,51 +494,60 @@ def reduce_encode_into(
     same = (hdr_in.bits, hdr_in.bucket_size, hdr_in.numel) == (hdr.bits, hdr.bucket_size, hdr.numel)
     if not same or hdr.raw or dec is None or acc.dtype != np.float32:
         return False
-    if decoded.ctypes.data != acc.ctypes.data and np.may_share_memory(acc, decoded):
+    if _overlap_shifted(acc, decoded):
         return False
-    buf[:HEADER_NBYTES] = np.frombuffer(hdr.pack(), dtype=np.uint8)
-    n = hdr.numel
-    if n == 0:
-        return True
     meta_in, _ = _meta_view(buf_in, hdr_in)
     codes_in = buf_in[hdr_in.codes_offset :]
-    meta, is_view = _meta_view(buf, hdr)
-    codes = buf[hdr.codes_offset :]
-    k, nchunks = _chunking(hdr)
-    key = np.uint64(seed_key(seed))
-    nsc = min(k * hdr.bucket_size, n)
+    n, bits, bsize, div = hdr.numel, hdr.bits, hdr.bucket_size, divisor
 
-    def run(c0: int, c1: int) -> None:
-        _reduce_encode_range(codes_in, meta_in, acc, n, hdr.bits, hdr.bucket_size, k, divisor,
-                             hdr.stochastic, key, meta, codes, c0, c1, nsc, dec)  # fmt: skip
+    def kernel(meta: Any, codes: Any, k: int, key: Any, nsc: int, c0: int, c1: int) -> None:
+        _reduce_encode_range(codes_in, meta_in, acc, n, bits, bsize, k, div, hdr.stochastic,
+                             key, meta, codes, c0, c1, nsc, dec)  # fmt: skip
 
-    run_chunks(run, n, nchunks, k * hdr.bucket_size)
-    if not is_view:
-        buf[HEADER_NBYTES : hdr.codes_offset] = meta.view(np.uint8)
+    _encode_chunks(hdr, seed, buf, kernel)
     return True
 
 
+def _overlap_shifted(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether ``b`` overlaps ``a`` at another start. The one-pass kernels write a bucket's
+    decoded values right after reading it: fine on the same bucket, wrong shifted."""
+    return b.ctypes.data != a.ctypes.data and np.may_share_memory(a, b)
+
+
 def _encode(x: np.ndarray, hdr: CodecHeader, seed: int, buf: np.ndarray, dec: Any) -> None:
-    buf[:HEADER_NBYTES] = np.frombuffer(hdr.pack(), dtype=np.uint8)
-    n = hdr.numel
     if hdr.raw:
-        if n:
+        buf[:HEADER_NBYTES] = np.frombuffer(hdr.pack(), dtype=np.uint8)
+        if hdr.numel:
             buf[HEADER_NBYTES:] = x.view(np.uint8)
         return
+    xk = _kernel_view(x)
+    n, bits, bsize = hdr.numel, hdr.bits, hdr.bucket_size
+
+    def kernel(meta: Any, codes: Any, k: int, key: Any, nsc: int, c0: int, c1: int) -> None:
+        _encode_range(xk, n, bits, bsize, k, hdr.stochastic, key, meta, codes, c0, c1, nsc,
+                      dec)  # fmt: skip
+
+    _encode_chunks(hdr, seed, buf, kernel)
+
+
+def _encode_chunks(
+    hdr: CodecHeader, seed: int, buf: np.ndarray, kernel: Callable[..., None]
+) -> None:
+    """Write the header of a compressed segment into ``buf`` and run ``kernel(meta, codes,
+    k, key, nsc, c0, c1)`` over its chunks (shared with helper threads): the meta and codes
+    of ``buf``, ``k`` buckets per chunk, the rounding key, the scratch size."""
+    buf[:HEADER_NBYTES] = np.frombuffer(hdr.pack(), dtype=np.uint8)
+    n = hdr.numel
     if n == 0:
         return
     meta, is_view = _meta_view(buf, hdr)
     codes = buf[hdr.codes_offset :]
     k, nchunks = _chunking(hdr)
     key = np.uint64(seed_key(seed))
-    xk = _kernel_view(x)
     nsc = min(k * hdr.bucket_size, n)  # scratch: one chunk of codes, never more than numel
-
-    def run(c0: int, c1: int) -> None:
-        _encode_range(xk, n, hdr.bits, hdr.bucket_size, k, hdr.stochastic, key, meta, codes,
-                      c0, c1, nsc, dec)  # fmt: skip
-
-    run_chunks(run, n, nchunks, k * hdr.bucket_size)
+    run_chunks(
+        lambda c0, c1: kernel(meta, codes, k, key, nsc, c0, c1), n, nchunks, k * hdr.bucket_size
+    )
     if not is_view:
         buf[HEADER_NBYTES : hdr.codes_offset] = meta.view(np.uint8)
 
