@@ -180,9 +180,17 @@ class Sra(PieceSteps):
         """Add every peer's piece ``k`` of our chunk into ``acc`` in rank order (so the
         result does not depend on arrival order), average if asked; returns the piece's
         slice of ``acc``."""
+        a = await self.add_pieces(acc, k, piece, sorted(self.peers))
+        if self.spec.avg:
+            self.xp.divide(a, self.n_world, out=a)
+        return a
+
+    async def add_pieces(self, acc: Any, k: int, piece: Any, peers: list[int]) -> Any:
+        """Add the pieces ``k`` of ``peers``, in that order, into ``acc``; returns the
+        piece's slice of ``acc``."""
         base = self.own.start
         a = acc[piece.start - base : piece.stop - base]
-        for p in sorted(self.peers):
+        for p in peers:
             buf = await self.scatter.fut(p, k)
             if self.spec.raw:
                 self.add_raw(a, buf, piece)
@@ -190,8 +198,6 @@ class Sra(PieceSteps):
                 await self.codec.run(
                     piece.numel, decode_add_piece, buf, piece, acc, base, self.dtype
                 )
-        if self.spec.avg:
-            self.xp.divide(a, self.n_world, out=a)
         return a
 
     async def reduce_requantize(self, acc: Any, k: int, piece: Any) -> Any:
@@ -201,9 +207,7 @@ class Sra(PieceSteps):
         pass over the piece fewer. Returns the wire bytes."""
         base, spec = self.own.start, self.spec
         *first, last = sorted(self.peers)
-        for p in first:
-            buf = await self.scatter.fut(p, k)
-            await self.codec.run(piece.numel, decode_add_piece, buf, piece, acc, base, self.dtype)
+        await self.add_pieces(acc, k, piece, first)
         buf = await self.scatter.fut(last, k)
         out = self.call.take(piece.wire_nbytes(self.dtype), self.x)
         return await self.codec.run(
