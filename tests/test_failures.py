@@ -205,15 +205,21 @@ async def aborts_a_finished_call_then_closes(ctx):
         await comm.close()
         ctx.store.set("closed", "1")
         return seq, ""
+    try:
+        return seq, await _error_after_peer_closed(ctx, comm)
+    finally:
+        await comm.close()
+
+
+async def _error_after_peer_closed(ctx, comm) -> str:
+    """Once the peer said it closed: what the next allreduce raises (PeerLostError)."""
     await _key(ctx.store, "closed")
     await asyncio.sleep(0.5)
     try:
         await comm.allreduce(np.ones(100, np.float32))
-        return seq, "no error"
+        return "no error"
     except PeerLostError as exc:
-        return seq, str(exc)
-    finally:
-        await comm.close()
+        return str(exc)
 
 
 @pytest.mark.timeout(60)
@@ -244,13 +250,7 @@ async def closes_before_its_peer(ctx):
     handler = Keep(logging.WARNING)
     logging.getLogger("cgx_ucx").addHandler(handler)
     try:
-        await _key(ctx.store, "closed")
-        await asyncio.sleep(0.5)
-        try:
-            await comm.allreduce(np.ones(100, np.float32))
-            return warnings, "no error"
-        except PeerLostError as exc:
-            return warnings, str(exc)
+        return warnings, await _error_after_peer_closed(ctx, comm)
     finally:
         logging.getLogger("cgx_ucx").removeHandler(handler)
         await comm.close()
