@@ -214,14 +214,15 @@ def _bounds(
 def _auto_costs(records: list[dict[str, Any]]) -> dict[str, tuple[float, Any]]:
     """Per compressed width: the link bandwidth and codec cost the ``auto`` policy decides
     with, the ranks' link-probe results averaged as the policy averages them."""
-    from ..compression.policies.cost import CodecCost
+    from ..compression.policies.auto import probed_codec
 
     out: dict[str, tuple[float, Any]] = {}
     for bits in records[0].get("auto_probe", {}) if records else {}:
         values = [r["auto_probe"][bits] for r in records if bits in r.get("auto_probe", {})]
         bw, enc, dec, over = (math.fsum(v[i] for v in values) / len(values) for i in range(4))
-        if min(bw, enc, dec) > 0 and all(map(math.isfinite, (bw, enc, dec, over))):
-            out[bits] = (bw, CodecCost(enc, dec, max(over, 0.0)))
+        cost = probed_codec(enc, dec, over)
+        if cost is not None and math.isfinite(bw) and bw > 0:
+            out[bits] = (bw, cost)
     return out
 
 

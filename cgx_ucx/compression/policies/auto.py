@@ -18,7 +18,7 @@ from .base import Policy, ProbeValue
 from .cost import CodecCost, layer_seconds, probe_codec
 from .schedule import Schedule
 
-__all__ = ["AutoPolicy", "compress_pays"]
+__all__ = ["AutoPolicy", "compress_pays", "probed_codec"]
 
 
 def _cost_vector(c: CodecCost | None) -> np.ndarray:
@@ -46,6 +46,17 @@ def compress_pays(
     t_raw = layer_seconds(numel, NO_COMPRESSION_BITS, 1, world_size, bandwidth, None)
     t_q = layer_seconds(numel, bits, bucket_size, world_size, bandwidth, codec)
     return t_q < (1.0 - min_gain) * t_raw
+
+
+def probed_codec(encode_bps: float, decode_bps: float, overhead_s: float) -> CodecCost | None:
+    """The codec cost a link probe measured (the ranks' mean), None where it measured none
+    (non-finite or non-positive rates); a non-finite or negative overhead counts as 0."""
+    if not (math.isfinite(encode_bps) and math.isfinite(decode_bps)):
+        return None
+    if encode_bps <= 0 or decode_bps <= 0:
+        return None
+    over = max(overhead_s, 0.0) if math.isfinite(overhead_s) else 0.0
+    return CodecCost(encode_bps, decode_bps, over)
 
 
 class AutoPolicy(Policy):
@@ -211,14 +222,11 @@ class AutoPolicy(Policy):
 
     def _agreed_codec(self, statistics: np.ndarray) -> CodecCost:
         """The codec cost to decide with: given, the ranks' mean, or the link probe's."""
-        enc, dec, over = (float(v) for v in statistics[1:4])
         codec: CodecCost | None
         if self._codec_given:
             codec = self.codec
-        elif math.isfinite(enc) and math.isfinite(dec) and enc > 0 and dec > 0:
-            codec = CodecCost(enc, dec, max(over, 0.0) if math.isfinite(over) else 0.0)
         else:
-            codec = self._probe_codec
+            codec = probed_codec(*(float(v) for v in statistics[1:4])) or self._probe_codec
         if codec is None:
             raise CGXError("auto policy: the link probe measured no codec cost")
         return codec
