@@ -61,7 +61,10 @@ _INTEGER = (int, np.integer)
 
 def is_cupy(x: Any) -> bool:
     """True when ``x`` is a CuPy object (array), judged by its type's top-level module."""
-    return type(x).__module__.split(".", 1)[0] == "cupy"
+    t = type(x)
+    if t is np.ndarray:  # the host path asks dozens of times per collective
+        return False
+    return t.__module__.split(".", 1)[0] == "cupy"
 
 
 def is_array(x: Any) -> bool:

@@ -55,6 +55,41 @@ async def exact_sums(ctx):
     return out, stats.collectives
 
 
+async def warm_up_at_connect(ctx):
+    from cgx_ucx.collectives import communicator
+
+    calls = []
+    collective = communicator.Communicator._collective
+
+    async def spy(self, name, prepare, body, seq=None):
+        calls.append((name, self._seq if seq is None else seq))
+        return await collective(self, name, prepare, body, seq)
+
+    communicator.Communicator._collective = spy
+    async with await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG) as comm:
+        at_connect = list(calls)
+        s = comm.stats
+        counted = (s.collectives, s.messages_sent, s.messages_received, s.bytes_sent)
+        await comm.warm_up()  # connect ran it: nothing more
+        x = rank_data(ctx.rank, 1000, np.float32)
+        await comm.allreduce(x, bits=4)
+        return at_connect, counted, calls[len(at_connect) :], x
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [1, 3])
+def test_connect_warms_up_outside_the_callers_numbering(world):
+    """connect runs one compressed allreduce (issue 10: the first call of a process paid
+    for first runs), at sequence number 0 on every rank: the caller's first collective
+    is still #1, and the statistics count none of the warm-up's traffic."""
+    results = run_ranks(warm_up_at_connect, world, timeout=100)
+    for at_connect, counted, later, x in results:
+        assert at_connect == ([] if world == 1 else [("warm-up", 0)])
+        assert counted == (0, 0, 0, 0)
+        assert later == [("allreduce", 1)]
+        np.testing.assert_array_equal(x, results[0][3])
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 3])
 def test_uncompressed_sum_is_exact(world):
