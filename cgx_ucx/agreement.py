@@ -57,8 +57,8 @@ __all__ = [
     "make_link_probe",
 ]
 
-#: Bytes of one link-probe allreduce: 2 MiB takes 17 ms at 1 Gbit/s, long enough that
-#: per-message latency is a few percent, short enough to probe again at every drift.
+#: Bytes of the smaller link-probe allreduce (the larger is 4x): 2 and 8 MiB take 17 and
+#: 67 ms at 1 Gbit/s uncompressed, short enough to probe again at every drift.
 DEFAULT_PROBE_BYTES = 2 << 20
 #: Seconds any collective of :func:`agree` may take (CommConfig's default timeout).
 DEFAULT_TIMEOUT = 300.0
@@ -264,33 +264,60 @@ def agree_sync(
 
 #: Layers of the per-call-overhead measurement (the same values as one layer and as these).
 _PROBE_LAYERS = 32
+#: The probe times the raw and the compressed allreduce at ``nbytes`` and at this many
+#: times ``nbytes``: the difference gives the per-byte costs without the fixed cost of a
+#: call, which one size alone spreads over its bytes. At 10 Gbit/s on a 2-core host a
+#: 2 MiB call spent most of its time on fixed costs, and the one-size estimate (0.9 GB/s
+#: of "codec") kept 64 MiB layers uncompressed that compressed ran in 0.6-0.7x the time.
+_PROBE_SCALE = 4
 
 
 def _probe_kinds(n: int, bits: int, bucket_size: int) -> list[tuple[dict[str, Any], int]]:
-    """The four allreduces the probe times: (keywords, number of values) each."""
+    """The allreduces the probe times: (keywords, number of values) each."""
     layers = _PROBE_LAYERS
     small = min(1 << 16, n) // layers * layers
     many = Layout.from_sizes(
         [small // layers] * layers, bits=[bits] * layers, bucket_sizes=[bucket_size] * layers
     )
     one = Layout.from_sizes([small], bits=[bits], bucket_sizes=[bucket_size])
+    quantized = {"bits": bits, "bucket_size": bucket_size}
+    big = _PROBE_SCALE * n
     return [
         ({}, n),
-        ({"bits": bits, "bucket_size": bucket_size}, n),
+        (quantized, n),
+        ({}, big),
+        (quantized, big),
         ({"layout": one}, small),
         ({"layout": many}, small),
     ]
 
 
 def _probe_result(best: list[float], n: int, w: int, bits: int, bucket_size: int) -> np.ndarray:
-    """``[bandwidth, rate, rate, overhead_s]`` from the best times of the four kinds."""
-    t_raw, t_q, t_one, t_many = best
+    """``[bandwidth, rate, rate, overhead_s]`` from the best times of the six kinds.
+
+    Per-byte figures come from the two sizes (falling back to the larger size alone when
+    noise makes a difference non-positive); the compressed call's fixed cost beyond the
+    raw one's is charged as per-codec-call overhead (three calls a layer), or the
+    many-layers measurement when that is larger."""
+    t_raw, t_q, t_raw_big, t_q_big, t_one, t_many = best
+    big = _PROBE_SCALE * n
     factor = 2.0 * (w - 1) / w if w > 1 else 1.0
-    bw = factor * 4.0 * n / t_raw
-    wire = allreduce_seconds(float(encoded_nbytes(n, bits, bucket_size)), w, bw)
-    work = 4.0 * n * (1.0 + (2 * w - 1) / w)
-    rate = work / max(t_q - wire, 1e-9)
+    d_raw = t_raw_big - t_raw
+    bw = factor * 4.0 * (big - n) / d_raw if d_raw > 0 else factor * 4.0 * big / t_raw_big
+
+    def codec_seconds(m: int, t: float) -> float:  # a compressed call less its wire time
+        return t - allreduce_seconds(float(encoded_nbytes(m, bits, bucket_size)), w, bw)
+
+    def work(m: int) -> float:  # the bytes layer_seconds counts for m values
+        return 4.0 * m * (1.0 + (2 * w - 1) / w)
+
+    rest, rest_big = codec_seconds(n, t_q), codec_seconds(big, t_q_big)
+    d_q = rest_big - rest
+    rate = (work(big) - work(n)) / d_q if d_q > 0 else work(big) / max(rest_big, 1e-9)
+    fixed_q = rest_big - work(big) / rate
+    fixed_raw = t_raw_big - factor * 4.0 * big / bw
     over = max(t_many - t_one, 0.0) / (_PROBE_LAYERS * 3)
+    over = max(over, (fixed_q - fixed_raw) / 3.0)
     return np.array([bw, rate, rate, over])
 
 
@@ -309,20 +336,27 @@ def make_link_probe(
 
     Returns ``[bandwidth, encode_bps, decode_bps, overhead_s]``:
 
-    1. ``bandwidth`` (bytes/s per peer) = ``2 (w-1)/w * nbytes / t_raw``, with ``t_raw``
-       the best of ``repeats`` uncompressed allreduces of ``nbytes`` (after a warm-up):
-       it includes what the engine spends per byte (summing, framing), as a raw layer does.
-    2. The same buffer all-reduced at ``bits`` / ``bucket_size`` takes ``t_q``; what is
-       left after its wire time is the engine's whole compressed path (kernels, staging,
-       thread hand-offs), expressed as one effective codec rate for both directions:
-       ``4n * (1 + (2w-1)/w) / (t_q - wire time)`` (the work
-       :func:`~cgx_ucx.compression.policies.layer_seconds` counts). Bare kernel rates
+    Every allreduce is timed as the best of ``repeats`` (after a warm-up), at ``nbytes``
+    and at 4 x ``nbytes``; per-byte figures come from the difference between the two
+    sizes, so that the fixed cost of a call is not spread over its bytes.
+
+    1. ``bandwidth`` (bytes/s per peer) = ``2 (w-1)/w * (4n - n) * 4 / (t_raw(4n) -
+       t_raw(n))`` for ``n`` = nbytes / 4 values: it includes what the engine spends per
+       byte (summing, framing), as a raw layer does.
+    2. The same buffers all-reduced at ``bits`` / ``bucket_size`` take ``t_q``; what is
+       left after the wire time is the engine's whole compressed path (kernels, staging,
+       thread hand-offs), expressed per byte as one effective codec rate for both
+       directions: the difference of ``4m * (1 + (2w-1)/w)`` (the work
+       :func:`~cgx_ucx.compression.policies.layer_seconds` counts for ``m`` values)
+       over the difference of ``t_q - wire time``. Bare kernel rates
        (:func:`~cgx_ucx.compression.policies.probe_codec`) leave staging and hand-offs
        out and are optimistic. Where the engine hides the codec behind the wire (a slow
        link) the rate comes out very large: the codec is then free, which is what the
        decision needs to know.
-    3. ``overhead_s`` per codec call: the same (up to) 64 Ki values compressed as 32
-       layers instead of one, the extra time divided by 32 layers x 3 calls.
+    3. ``overhead_s`` per codec call: the larger of (a) the same (up to) 64 Ki values
+       compressed as 32 layers instead of one, the extra time divided by 32 layers x 3
+       calls, and (b) a third of the fixed cost a compressed call has beyond a raw one
+       (the intercepts of the two fits).
 
     A collective: every rank must call the probe at the same point (:func:`agree` does).
     For an asyncio communicator (``allreduce`` is a coroutine function) the probe is a
@@ -337,7 +371,7 @@ def make_link_probe(
     n = nbytes // 4
     if n < 16 * _PROBE_LAYERS:
         raise ConfigError(f"nbytes must be at least {64 * _PROBE_LAYERS} for the probe")
-    pristine = np.random.default_rng(1).standard_normal(n).astype(np.float32)
+    pristine = np.random.default_rng(1).standard_normal(_PROBE_SCALE * n).astype(np.float32)
     buf = pristine.copy()
     kinds = _probe_kinds(n, bits, bucket_size)
 

@@ -785,3 +785,71 @@ def test_agree_across_processes_on_the_engine():
         assert bw0 == bw1  # the probe's mean, identical on both ranks
     assert not np.array_equal(results[0]["budget"][0][0], results[0]["budget"][0][-1])
     assert results[0]["auto"][2] > 0
+
+
+# ---------------------------------------------------------------------------------------
+# the link probe's arithmetic
+
+
+def _synthetic_probe_times(n, w, bits, bucket, bw, rate, fixed_raw, fixed_q, per_layer):
+    """The six best times make_link_probe would measure on a link and engine that follow
+    the cost model exactly: raw and compressed at n and 4n values, then 64 Ki values as
+    one layer and as 32."""
+
+    def raw(m):
+        return fixed_raw + allreduce_seconds(4.0 * m, w, bw)
+
+    def quantized(m, layers=1):
+        wire = allreduce_seconds(float(encoded_nbytes(m, bits, bucket)), w, bw)
+        return fixed_q + wire + 4.0 * m * (1 + (2 * w - 1) / w) / rate + 3 * per_layer * layers
+
+    small = min(1 << 16, n) // 32 * 32
+    big = 4 * n
+    return [raw(n), quantized(n), raw(big), quantized(big), quantized(small), quantized(small, 32)]
+
+
+@pytest.mark.parametrize("w", [2, 4])
+def test_link_probe_separates_per_byte_costs_from_fixed_costs(w):
+    """A call's fixed cost (here 1 and 3 ms, the order of a 2 MiB call's on a 2-core
+    host) must not be read as codec or wire time per byte: the probe recovers the
+    per-byte rates from two sizes and charges the compressed call's extra fixed cost as
+    overhead. Figures as measured on the emulated 10 Gbit/s link of this host (the
+    engine moves about 0.6 GB/s raw; 64 MiB ran in 0.6-0.7x the time compressed)."""
+    from cgx_ucx.agreement import _probe_result
+
+    n, bits, bucket = (2 << 20) // 4, 4, 1024
+    bw, rate, per_layer = 0.6e9, 4.0e9, 20e-6
+    best = _synthetic_probe_times(n, w, bits, bucket, bw, rate, 1e-3, 3e-3, per_layer)
+    got_bw, enc, dec, over = _probe_result(best, n, w, bits, bucket)
+    assert got_bw == pytest.approx(bw, rel=1e-6)
+    assert enc == dec == pytest.approx(rate, rel=1e-6)
+    # the 2 ms the compressed call costs beyond the raw one, over three codec calls
+    assert over == pytest.approx(per_layer + 2e-3 / 3, rel=1e-6)
+    big = (64 << 20) // 4
+
+    def ratio(b, c):  # modeled compressed / raw time of a 64 MiB layer
+        t_q = layer_seconds(big, bits, bucket, w, b, c)
+        return t_q / layer_seconds(big, 32, 1, w, b, None)
+
+    two_sizes = ratio(got_bw, CodecCost(enc, dec, over))
+    assert two_sizes < 0.6
+    # Reading the smaller size alone spreads its fixed costs over its bytes: the same
+    # layer then looks much slower compressed (the bias that kept large layers raw).
+    factor = 2 * (w - 1) / w
+    one_bw = factor * 4.0 * n / best[0]
+    wire = allreduce_seconds(float(encoded_nbytes(n, bits, bucket)), w, one_bw)
+    one_rate = 4.0 * n * (1 + (2 * w - 1) / w) / (best[1] - wire)
+    assert ratio(one_bw, CodecCost(one_rate, one_rate, per_layer)) > two_sizes + 0.2
+
+
+def test_link_probe_falls_back_to_one_size_when_noise_inverts_the_difference():
+    from cgx_ucx.agreement import _probe_result
+
+    n, w, bits, bucket = (2 << 20) // 4, 2, 4, 1024
+    best = _synthetic_probe_times(n, w, bits, bucket, 1.1e9, 3.0e9, 1e-3, 3e-3, 20e-6)
+    best[0] = best[2] + 1e-3  # the small raw call measured slower than the large one
+    best[1] = best[3] + 1e-3  # and the small compressed one too
+    got_bw, enc, _, over = _probe_result(best, n, w, bits, bucket)
+    assert 0 < got_bw < 1.1e9 and np.isfinite(got_bw)  # the large size alone
+    assert 0 < enc < 3.0e9 and np.isfinite(enc)
+    assert np.isfinite(over) and over >= 0
