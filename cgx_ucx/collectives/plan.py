@@ -33,6 +33,12 @@ __all__ = ["PIECE_BYTES", "Chunk", "Piece", "Plan", "Segment", "make_plan"]
 PIECE_BYTES = 4 << 20
 
 
+@functools.lru_cache(maxsize=4096)
+def _wire_nbytes(numel: int, bits: int, bucket_size: int, dtype: np.dtype) -> int:
+    """:func:`encoded_nbytes`, remembered: every piece of every call asks for it."""
+    return encoded_nbytes(numel, bits, bucket_size, dtype)
+
+
 @dataclass(frozen=True)
 class Segment:
     """Values [start, stop) of one layer, quantized with (bits, bucket_size); 32 = raw."""
@@ -48,7 +54,7 @@ class Segment:
         return self.stop - self.start
 
     def wire_nbytes(self, dtype: np.dtype) -> int:
-        return encoded_nbytes(self.numel, self.bits, self.bucket_size, dtype)
+        return _wire_nbytes(self.numel, self.bits, self.bucket_size, np.dtype(dtype))
 
 
 @dataclass(frozen=True)

@@ -144,8 +144,9 @@ class CodecHeader:
 
     @property
     def nbytes(self) -> int:
-        """Exact length of the encoded segment."""
-        return encoded_nbytes(self.numel, self.bits, self.bucket_size, self.dtype)
+        """Exact length of the encoded segment (the fields are valid: no checks here,
+        this is on every encode and decode)."""
+        return _segment_nbytes(self.numel, self.bits, self.bucket_size, self.dtype.itemsize)
 
     def pack(self) -> bytes:
         """The 24 header bytes."""
@@ -181,10 +182,15 @@ def encoded_nbytes(numel: int, bits: int, bucket_size: int, dtype: Any = np.floa
     bits = check_bits(bits)
     bucket_size = check_positive_int(bucket_size, "bucket_size", limit=_BUCKET_LIMIT)
     numel = check_positive_int(numel, "numel", 0, error=CodecError)
+    itemsize = _value_dtype(dtype).itemsize if bits == RAW_BITS else 0
+    return _segment_nbytes(numel, bits, bucket_size, itemsize)
+
+
+def _segment_nbytes(numel: int, bits: int, bucket_size: int, itemsize: int) -> int:
+    """:func:`encoded_nbytes` of valid arguments (``itemsize`` only matters for RAW)."""
     if bits == RAW_BITS:
-        return HEADER_NBYTES + numel * _value_dtype(dtype).itemsize
-    nbuckets = -(-numel // bucket_size)
-    return HEADER_NBYTES + META_NBYTES * nbuckets + (numel * bits + 7) // 8
+        return HEADER_NBYTES + numel * itemsize
+    return HEADER_NBYTES + META_NBYTES * -(-numel // bucket_size) + (numel * bits + 7) // 8
 
 
 # ---------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ cached on disk (``cache=True``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -442,7 +443,7 @@ def _kernel_view(a: np.ndarray) -> np.ndarray | None:
 
 def _chunking(hdr: CodecHeader) -> tuple[int, int]:
     """(buckets per chunk, number of chunks): chunks start on whole code bytes."""
-    k = 8 // int(np.gcd(hdr.bucket_size, 8))
+    k = 8 // math.gcd(hdr.bucket_size, 8)
     return k, -(-hdr.nbuckets // k)
 
 
