@@ -326,6 +326,60 @@ def table(rows: list[dict[str, Any]]) -> str:
     return format_table(headers, body)
 
 
+#: Issue 10's targets for 2 ranks on one host: the torch backend at most this fraction
+#: of gloo's median (4 KiB - 1 MiB, 32 and 4 bits); the asyncio core at 4 KiB and its
+#: barrier at most this many microseconds; the bridge (torch - core) at most this many;
+#: the first compressed call at most this multiple of a warm one.
+TARGET_X_GLOO = 0.5
+TARGET_CORE_US = 100.0
+TARGET_BRIDGE_US = 50.0
+TARGET_FIRST_X = 3.0
+
+
+def targets(rows: list[dict[str, Any]], first: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 10's checks on 2 ranks, one per (size, method): what was measured, the
+    limit, and whether it held."""
+    checks: list[dict[str, Any]] = []
+
+    def check(what: str, value: float, limit: float) -> None:
+        checks.append({"target": what, "value": value, "limit": limit, "ok": value <= limit})
+
+    two = [r for r in rows if r["world"] == 2]
+    med = {(r["kib"], r["path"], r["method"]): r["median_us"] for r in two}
+    for (kib, path, method), us in med.items():
+        if path != "torch" or not method.startswith("cgx") or "barrier" in method:
+            continue
+        if 4 <= kib <= 1024 and (kib, "torch", "gloo") in med:
+            size = f"{kib:g} KiB"
+            check(f"{size} {method} torch / gloo", us / med[(kib, "torch", "gloo")], TARGET_X_GLOO)
+            core = med.get((kib, "core", method))
+            if core is not None:
+                check(f"{size} {method} bridge us", us - core, TARGET_BRIDGE_US)
+    for method in ("cgx32", "cgx4"):
+        if (4.0, "core", method) in med:
+            check(f"4 KiB {method} core us", med[(4.0, "core", method)], TARGET_CORE_US)
+    if (0, "core", "cgx barrier") in med:
+        check("barrier core us", med[(0, "core", "cgx barrier")], TARGET_CORE_US)
+    ranks = first.get("2")
+    if ranks:
+        worst = max(r["first_s"] for r in ranks)
+        warm = max(r["warm_s"] for r in ranks)
+        like = max(r["warm_after_barrier_s"] for r in ranks)
+        check("first call / back-to-back", worst / warm, TARGET_FIRST_X)
+        check("first call / later call after barriers", worst / like, TARGET_FIRST_X)
+    return checks
+
+
+def print_targets(checks: list[dict[str, Any]]) -> None:
+    if not checks:
+        return
+    held = sum(c["ok"] for c in checks)
+    print(f"Against issue 10's targets (2 ranks): {held} of {len(checks)} held")
+    for c in checks:
+        verdict = "ok" if c["ok"] else "MISSED"
+        print(f"  {c['target']}: {c['value']:.2f} (at most {c['limit']:g}): {verdict}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m cgx_ucx.bench latency",
@@ -366,12 +420,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"started the same way {like * 1e3:.2f} ms ({worst / like:.1f}x), "
                 f"back to back {warm * 1e3:.3f} ms ({worst / warm:.1f}x)"
             )
+    checks = targets(all_rows, first)
+    print_targets(checks)
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
     path = write_json(
         "latency",
         {
             "rows": all_rows,
             "first_call": first,
+            "targets": checks,
             "load_before": load_before,
             "load_after": load_after,
             "iters": args.iters,

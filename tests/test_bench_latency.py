@@ -1,0 +1,41 @@
+"""The latency benchmark's verdicts against issue 10's targets (no processes: the rows
+are what summarize() returns)."""
+
+from __future__ import annotations
+
+from cgx_ucx.bench.latency import targets
+
+
+def _row(kib, path, method, us, world=2):
+    return {"world": world, "kib": kib, "path": path, "method": method, "median_us": us}
+
+
+def test_targets_judge_each_size_method_and_hop():
+    rows = [
+        _row(4.0, "torch", "gloo", 400.0),
+        _row(4.0, "torch", "cgx32", 190.0),  # 0.475x gloo: held
+        _row(4.0, "core", "cgx32", 150.0),  # above 100 us: missed; bridge 40 us: held
+        _row(4.0, "torch", "cgx4", 260.0),  # 0.65x: missed
+        _row(4.0, "core", "cgx4", 90.0),  # held; bridge 170 us: missed
+        _row(4096.0, "torch", "gloo", 1000.0),  # outside 4 KiB - 1 MiB: not judged
+        _row(4096.0, "torch", "cgx32", 9000.0),
+        _row(4.0, "torch", "cgx32", 10.0, world=4),  # 4 ranks: reported, not judged
+        _row(0, "core", "cgx barrier", 120.0),
+    ]
+    first = {"2": [{"first_s": 3e-3, "warm_s": 1e-3, "warm_after_barrier_s": 2e-3}] * 2}
+    got = {c["target"]: (round(c["value"], 3), c["ok"]) for c in targets(rows, first)}
+    assert got == {
+        "4 KiB cgx32 torch / gloo": (0.475, True),
+        "4 KiB cgx32 bridge us": (40.0, True),
+        "4 KiB cgx4 torch / gloo": (0.65, False),
+        "4 KiB cgx4 bridge us": (170.0, False),
+        "4 KiB cgx32 core us": (150.0, False),
+        "4 KiB cgx4 core us": (90.0, True),
+        "barrier core us": (120.0, False),
+        "first call / back-to-back": (3.0, True),
+        "first call / later call after barriers": (1.5, True),
+    }
+
+
+def test_no_rows_no_verdicts():
+    assert targets([], {}) == []
