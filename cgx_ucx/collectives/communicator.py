@@ -328,20 +328,25 @@ class Communicator:
         """One small compressed allreduce at sequence number 0, which :func:`connect`
         runs on every rank before returning (later calls do nothing).
 
-        The first compressed collective of a process paid about 2 ms more than a warm
-        one on top of everything the codec warm-up already loads (first runs of the
-        codec's and the engine's Python paths, first buffers of the pool, UCX's first
-        messages of those sizes on each data endpoint), which put the first call at 3-6x
-        a warm one (issue 10 allows 3x). Every rank runs it inside connect, whose
-        deadline already covers the rendezvous; the callers' first collective stays
-        collective #1 (the handshake used 0 on its own phase), and neither its messages
-        nor its bytes count in :attr:`stats`."""
+        After the codec warm-up (compiled or loaded kernels), the first compressed
+        collective of a process still took about 2 ms more than later ones started the
+        same way, 2.4-5.7x a back-to-back call on the asyncio core (issue 10 allows 3x):
+        first runs somewhere on the path (Python code, pool buffers, UCX's first messages
+        on each data endpoint; not told apart). Running one here moves that cost into
+        connect. Like any collective it is bounded by the communicator's timeout and
+        fails with a typed error if a peer is lost; the callers' first collective stays
+        collective #1 (the handshake uses 0 on a phase of its own), and neither its
+        messages nor its bytes count in :attr:`stats`."""
         if self.world_size == 1 or self._warm:
             return
         self._warm = True
         stats = self._mesh.stats
-        before = (stats.bytes_sent, stats.bytes_received, stats.messages_sent)
-        before_received = stats.messages_received
+        before = (
+            stats.bytes_sent,
+            stats.bytes_received,
+            stats.messages_sent,
+            stats.messages_received,
+        )
         x = np.zeros(WARM_UP_NUMEL, np.float32)
         await self._collective(
             "warm-up",
@@ -351,8 +356,9 @@ class Communicator:
             run_allreduce,
             seq=0,
         )
-        stats.bytes_sent, stats.bytes_received, stats.messages_sent = before
-        stats.messages_received = before_received
+        (stats.bytes_sent, stats.bytes_received, stats.messages_sent, stats.messages_received) = (
+            before
+        )
 
     # -- collectives --------------------------------------------------------------------
     async def allreduce(
