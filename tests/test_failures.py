@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from harness import run_ranks
+from harness import DEAD_EXIT, run_ranks
 
 from cgx_ucx.collectives import connect
 from cgx_ucx.config import CommConfig
@@ -261,6 +261,30 @@ def test_a_peer_closing_first_is_quiet_until_the_next_call():
     (warnings, text), _ = run_ranks(closes_before_its_peer, 2, timeout=50)
     assert warnings == [], warnings
     assert "rank 1 closed its communicator" in text, text
+
+
+async def peer_dies_while_we_close(ctx):
+    """Rank 0 closes while rank 1 is still open; rank 1 then dies. Rank 0's close
+    waits for rank 1's BYE (bounded by CLOSE_WAIT_S): it must stop waiting as soon as
+    rank 1 is known lost, not sit out the full bound."""
+    comm = await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG)
+    await comm.allreduce(np.ones(100, np.float32))
+    if ctx.rank == 1:
+        await _key(ctx.store, "closing")
+        await asyncio.sleep(0.5)
+        os._exit(DEAD_EXIT)
+    ctx.store.set("closing", "1")
+    start = time.monotonic()
+    await comm.close()
+    return time.monotonic() - start
+
+
+@pytest.mark.timeout(60)
+def test_close_stops_waiting_for_a_peer_that_dies_meanwhile():
+    from cgx_ucx.transport.mesh import CLOSE_WAIT_S
+
+    seconds, _ = run_ranks(peer_dies_while_we_close, 2, timeout=50, expect_dead=[1])
+    assert seconds < CLOSE_WAIT_S / 2, f"close took {seconds:.2f} s after the peer died"
 
 
 async def silent_peer(ctx):

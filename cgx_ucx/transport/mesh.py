@@ -263,6 +263,7 @@ class Mesh(MeshSetup):
         if p.status is not None and not p.status.done():
             p.status.set_result(None)
         self.fail(exc, quiet)
+        self._bye_seen()  # a close waiting for this peer's BYE need not wait any more
 
     def fail(self, exc: CGXError, quiet: bool = False) -> None:
         """Fail every pending and later operation with ``exc``, dropping no peer: for a
