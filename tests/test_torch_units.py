@@ -126,6 +126,28 @@ def test_work_wait_times_out_with_a_typed_error() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_work_releases_every_waiting_thread_once_done() -> None:
+    """Several threads wait on one work (one of them completes it inline, the others
+    on its latch); all return once the engine future is done, and later waits too."""
+    src: concurrent.futures.Future[int] = concurrent.futures.Future()
+    work = CGXWork.from_future("allreduce", 10, src, lambda v: [torch.full((1,), float(v))])
+    returned: list[bool] = []
+    threads = [threading.Thread(target=lambda: returned.append(work.wait())) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.1)
+    assert returned == [] and not work.is_completed()
+    src.set_result(7)
+    for t in threads:
+        t.join(5)
+    assert returned == [True] * 4
+    assert work.wait(datetime.timedelta(seconds=0.01)) is True and work.is_success()
+    assert work.get_future().wait()[0].item() == 7.0
+    work.mark_done(None)  # a second completion is ignored
+    assert work.is_success()
+
+
+@pytest.mark.timeout(30)
 def test_work_is_a_torch_work_completed_through_its_public_api() -> None:
     work = CGXWork("barrier", timeout=5)
     assert isinstance(work, dist.Work)  # what a Python ProcessGroup must return

@@ -45,6 +45,9 @@ _SUMMABLE = FLOAT_DTYPES | {
     torch.int64,
 }
 
+#: CPU dtypes whose ``numpy()`` view is the array the engine moves, as it is.
+_PLAIN_CPU = frozenset(_SUMMABLE - {torch.bfloat16, torch.complex64, torch.complex128})
+
 
 def is_float(tensor: torch.Tensor) -> bool:
     """True when ``tensor``'s dtype can be quantized."""
@@ -71,6 +74,8 @@ def as_array(tensor: torch.Tensor) -> Any:
         # Complex values are moved as their float pairs (broadcast/allgather only).
         t = torch.view_as_real(t)
     if t.device.type == "cpu":
+        if t.dtype in _PLAIN_CPU:
+            return t.numpy()  # the common case, without torch_as_array's checks
         try:
             return torch_as_array(t)  # bfloat16: the same bytes as ml_dtypes.bfloat16
         except TypeError as exc:

@@ -83,9 +83,12 @@ class TorchBridge:
         src: concurrent.futures.Future[Any],
         finish: Callable[[Any], Any],
         done: Callable[[BaseException | None], None] | None = None,
+        future: torch.futures.Future[Any] | None = None,
     ) -> None:
         self.src = src
-        self.future: torch.futures.Future[Any] = torch.futures.Future()
+        self.future: torch.futures.Future[Any] = (
+            future if future is not None else torch.futures.Future()
+        )
         self._finish = finish
         self._done = done
         self._lock = threading.Lock()
