@@ -113,10 +113,34 @@ def test_launcher_variables_win_over_the_host_identity() -> None:
 
 
 def test_inconsistent_launcher_variables_are_an_error() -> None:
-    with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE"):
-        Topology.from_hints([_launcher(0, 0, 2), _launcher(1, 0, 2)])
+    with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE"):  # 3 members, a 2-rank node
+        Topology.from_hints([_launcher(0, 0, 2), _launcher(0, 1, 2), _launcher(0, 1, 2)])
+    with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE"):  # one node, two sizes
+        Topology.from_hints([_launcher(0, 0, 2), _launcher(0, 1, 3)])
     with pytest.raises(ConfigError, match="LOCAL_RANK"):
         Topology.from_hints([_launcher(0, 0, 2), _launcher(0, 0, 2)])
+    with pytest.raises(ConfigError, match="LOCAL_RANK"):  # some ranks of a node: distinct
+        Topology.from_hints([_launcher(0, 1, 4), _launcher(0, 1, 4)])
+    with pytest.raises(ConfigError, match="LOCAL_RANK"):  # ... and below LOCAL_WORLD_SIZE
+        Topology.from_hints([_launcher(0, 0, 4), _launcher(0, 4, 4)])
+
+
+def test_a_subgroup_holding_some_ranks_of_each_node() -> None:
+    """``dist.new_group(ranks=...)`` under torchrun: the launcher's variables describe the
+    job, the group holds some ranks of a node (found by the adversarial review: such
+    groups raised ConfigError)."""
+    # Job of 2 nodes x 4; the group is local ranks 1 and 3 of each node.
+    t = Topology.from_hints(
+        [_launcher(0, 1, 4), _launcher(0, 3, 4), _launcher(1, 1, 4), _launcher(1, 3, 4)]
+    )
+    assert t.source == "launcher" and t.node_sizes == (2, 2) and t.local_rank == (0, 1, 0, 1)
+    assert t.is_hierarchical and t.cross_groups == ((0, 2), (1, 3))
+    # Local index 0 of each node (a cross-node group): one rank per node, flat.
+    t = Topology.from_hints([_launcher(0, 0, 2), _launcher(1, 0, 2)])
+    assert t.node_of == (0, 1) and not t.is_hierarchical
+    # Two of a 3-rank node, listed out of LOCAL_RANK order.
+    t = Topology.from_hints([_launcher(0, 2, 3), _launcher(0, 0, 3)])
+    assert t.node_sizes == (2,) and t.local_rank == (1, 0)
 
 
 def test_host_identity_when_not_every_rank_has_the_launcher_variables() -> None:

@@ -142,6 +142,28 @@ def test_exact_collectives() -> None:
     run_torch_ranks(_exact_ops, 2, timeout=140)
 
 
+def _subgroups_under_torchrun(rank: int, world: int, store: Any) -> list[float]:
+    # torchrun's variables describe the job (one node of `world` ranks), not the group.
+    os.environ.update(GROUP_RANK="0", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    import torch
+    import torch.distributed as dist
+
+    _init(rank, world, store)
+    pair = dist.new_group(ranks=[2, 0], backend="cgx")  # unsorted, some of the node's ranks
+    t = torch.full((16,), float(rank + 1))
+    if rank in (0, 2):
+        dist.all_reduce(t, group=pair)
+    dist.barrier()
+    return t.tolist()[:1]
+
+
+@pytest.mark.timeout(120)
+def test_subgroups_of_some_ranks_of_a_node_under_torchrun() -> None:
+    """A cgx subgroup holding some of a node's ranks, launched as torchrun does (found by
+    the adversarial review: it raised ConfigError about LOCAL_WORLD_SIZE)."""
+    assert run_torch_ranks(_subgroups_under_torchrun, 3, timeout=110) == [[4.0], [2.0], [4.0]]
+
+
 # -- compressed all_reduce -----------------------------------------------------------------
 def _compressed(rank: int, world: int, store: Any) -> None:
     import torch

@@ -11,7 +11,8 @@ is chosen once for the whole job, the first that every rank has:
    label on some ranks but not on others is a :class:`~cgx_ucx.errors.ConfigError`;
 2. the launcher's: torchrun's ``GROUP_RANK`` (the node's index), with ``LOCAL_RANK`` and
    ``LOCAL_WORLD_SIZE`` cross-checked against it (a mismatch is a ConfigError, never a
-   silently wrong grouping);
+   silently wrong grouping). A subgroup (``dist.new_group(ranks=...)``) may hold only some
+   ranks of a node: its members there are ordered by their ``LOCAL_RANK``;
 3. the host identity (:func:`host_identity`): hostname, kernel boot id, and the network and
    IPC namespaces of the process. All namespaces of one machine share one kernel (and boot
    id): the link emulator's "nodes" are network namespaces, and ranks in different ones
@@ -232,6 +233,22 @@ def _rank_order_local(node_of: Sequence[int]) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _check_launcher_locals(ranks: list[int], values: list[int], size: int | None) -> None:
+    """The LOCAL_RANK values of one node's members: 0..n-1 when they are the whole node
+    (n = LOCAL_WORLD_SIZE), distinct values below it when they are some of its ranks."""
+    if size is None or len(ranks) == size:
+        if sorted(values) == list(range(len(ranks))):
+            return
+        expected = f"0..{len(ranks) - 1}"
+    else:
+        if len(set(values)) == len(values) and all(0 <= v < size for v in values):
+            return
+        expected = f"distinct values in 0..{size - 1}"
+    raise ConfigError(
+        f"the launcher's {ENV_LOCAL_RANK} values on ranks {ranks} are {values}, not {expected}"
+    )
+
+
 @dataclass(frozen=True)
 class Topology:
     """The node of every rank and every rank's index inside its node.
@@ -300,27 +317,31 @@ class Topology:
 
     @classmethod
     def _from_launcher(cls, hints: Sequence[NodeHints]) -> Topology:
+        # The launcher describes the job; this communicator may be a subgroup of it
+        # (``dist.new_group(ranks=...)``), holding only some ranks of a node. GROUP_RANK
+        # still names each member's node; a node's members are then its ranks in the
+        # order of their LOCAL_RANK. Only more members on a node than LOCAL_WORLD_SIZE
+        # says it holds, or two members with one LOCAL_RANK, contradict the launcher.
         node_of = _first_appearance([h.group_rank for h in hints])
         by_node: dict[int, list[int]] = {}
         for r, n in enumerate(node_of):
             by_node.setdefault(n, []).append(r)
         for ranks in by_node.values():
             sizes = {hints[r].local_world_size for r in ranks} - {None}
-            if sizes and sizes != {len(ranks)}:
+            if len(sizes) > 1 or (sizes and len(ranks) > min(sizes)):
                 raise ConfigError(
                     f"the launcher says {ENV_GROUP_RANK}={hints[ranks[0]].group_rank} holds "
                     f"ranks {ranks} but {ENV_LOCAL_WORLD_SIZE}={sorted(sizes)} there"
                 )
-        if all(h.local_rank is not None for h in hints):
-            local = tuple(h.local_rank for h in hints)
-            for ranks in by_node.values():
-                if sorted(local[r] for r in ranks) != list(range(len(ranks))):  # type: ignore[type-var]
-                    raise ConfigError(
-                        f"the launcher's {ENV_LOCAL_RANK} values on ranks {ranks} are "
-                        f"{[local[r] for r in ranks]}, not 0..{len(ranks) - 1}"
-                    )
-            return cls(node_of, local, SOURCE_LAUNCHER)  # type: ignore[arg-type]
-        return cls(node_of, _rank_order_local(node_of), SOURCE_LAUNCHER)
+        if not all(h.local_rank is not None for h in hints):
+            return cls(node_of, _rank_order_local(node_of), SOURCE_LAUNCHER)
+        local = [0] * len(hints)
+        for ranks in by_node.values():
+            values = [int(hints[r].local_rank) for r in ranks]  # type: ignore[arg-type]
+            _check_launcher_locals(ranks, values, hints[ranks[0]].local_world_size)
+            for i, r in enumerate(sorted(ranks, key=lambda r: (hints[r].local_rank, r))):
+                local[r] = i
+        return cls(node_of, tuple(local), SOURCE_LAUNCHER)
 
     # -- shape ----------------------------------------------------------------------------
     @property
