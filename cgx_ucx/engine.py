@@ -189,8 +189,10 @@ class SyncCommunicator:
     def broadcast(self, x: Any, root: int = 0) -> concurrent.futures.Future:
         return self._submit(self._comm.broadcast(x, root))
 
-    def allgather(self, x: Any, out: Any = None) -> concurrent.futures.Future:
-        return self._submit(self._comm.allgather(x, out))
+    def allgather(
+        self, x: Any, out: Any = None, reduce_op: str | None = None
+    ) -> concurrent.futures.Future:
+        return self._submit(self._comm.allgather(x, out, reduce_op))
 
     def barrier(self) -> concurrent.futures.Future:
         return self._submit(self._comm.barrier())

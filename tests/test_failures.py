@@ -87,6 +87,8 @@ MISMATCHES = {
     ),
     "algorithm": lambda rank: dict(algorithm="ring" if rank == 1 else "sra"),
     "collective": lambda rank: dict(collective="broadcast" if rank == 1 else "allreduce"),
+    # The torch backend's MAX/MIN/...: an allgather signed with the local reduction.
+    "gather-op": lambda rank: dict(collective="allgather", op="min" if rank == 1 else "max"),
 }
 
 
@@ -101,9 +103,12 @@ async def mismatched(ctx, kinds):
             x = np.arange(args["n"], dtype=args["dtype"])
             before = x.copy()
             start = time.monotonic()
+            out_rows = np.zeros((ctx.world_size, args["n"]), args["dtype"])
             try:
                 if args["collective"] == "broadcast":
                     await comm.broadcast(x)
+                elif args["collective"] == "allgather":
+                    await comm.allgather(x, out_rows, reduce_op=args["op"])
                 else:
                     bits = None if args["layout"] is not None else args["bits"]
                     await comm.allreduce(
@@ -113,7 +118,7 @@ async def mismatched(ctx, kinds):
             except CollectiveMismatchError as exc:
                 outcome = str(exc)
             elapsed = time.monotonic() - start
-            untouched = x.tobytes() == before.tobytes()
+            untouched = x.tobytes() == before.tobytes() and not out_rows.any()
             # The communicator is still usable afterwards.
             y = np.full(7, ctx.rank, np.int64)
             await comm.allreduce(y)

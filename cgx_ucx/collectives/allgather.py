@@ -11,7 +11,7 @@ from typing import Any
 
 from ..arrays import xp_of
 from ..errors import ConfigError
-from ..transport.frames import Algo, Coll, Frame
+from ..transport.frames import Algo, Coll, Frame, Op
 from .broadcast import byte_pieces
 from .call import PH_DATA, Call, gather_or_cancel, make_template
 from .staging import as_flat, byte_view, synchronize
@@ -19,9 +19,20 @@ from .staging import as_flat, byte_view, synchronize
 __all__ = ["prepare_allgather", "run_allgather"]
 
 
-def prepare_allgather(x: Any, out: Any, world_size: int) -> tuple[Frame, tuple[Any, Any, Any]]:
+def prepare_allgather(
+    x: Any, out: Any, world_size: int, reduce_op: str | None = None
+) -> tuple[Frame, tuple[Any, Any, Any]]:
     """The signature of gathering ``x``; the flat input, the output's rows and the output
-    (``out``, or a new array of shape (world_size, *x.shape) when None)."""
+    (``out``, or a new array of shape (world_size, *x.shape) when None). ``reduce_op``:
+    the local reduction the gather feeds ("max", "min", "prod", "band", "bor", "bxor"),
+    signed so that ranks that disagree on it raise a mismatch."""
+    op = Op.NONE
+    if reduce_op is not None:
+        op = Op.__members__.get(str(reduce_op).upper(), Op.NONE)
+        if op in (Op.NONE, Op.SUM, Op.AVG):
+            raise ConfigError(
+                f"reduce_op must be one of max, min, prod, band, bor, bxor, got {reduce_op!r}"
+            )
     flat = as_flat(x)
     dst = out
     if dst is None:
@@ -32,7 +43,8 @@ def prepare_allgather(x: Any, out: Any, world_size: int) -> tuple[Frame, tuple[A
             f"got {tuple(dst.shape)} {dst.dtype}"
         )
     rows = as_flat(dst, "out").reshape(world_size, -1)
-    return make_template(Coll.ALLGATHER, flat, algorithm=Algo.DIRECT), (flat, rows, dst)
+    template = make_template(Coll.ALLGATHER, flat, algorithm=Algo.DIRECT, reduce_op=int(op))
+    return template, (flat, rows, dst)
 
 
 async def run_allgather(call: Call, state: tuple[Any, Any, Any]) -> Any:

@@ -91,6 +91,13 @@ def describe(frame: Frame) -> str:
             parts.append("stochastic")
     elif frame.collective == Coll.BROADCAST:
         parts.append(f"root={frame.digest}")
+    elif frame.collective == Coll.ALLGATHER and frame.reduce_op:
+        op = (
+            Op(frame.reduce_op).name.lower()
+            if frame.reduce_op in Op._value2member_map_
+            else frame.reduce_op
+        )
+        parts.append(f"reduced by {op}")
     return ", ".join(parts) + ")"
 
 

@@ -412,10 +412,14 @@ class Communicator:
         )
         return x
 
-    async def allgather(self, x: Any, out: Any = None) -> Any:
-        """Every rank's ``x`` into ``out[rank]`` on every rank; ``out`` shape (world, *x.shape)."""
+    async def allgather(self, x: Any, out: Any = None, reduce_op: str | None = None) -> Any:
+        """Every rank's ``x`` into ``out[rank]`` on every rank; ``out`` shape (world, *x.shape).
+        ``reduce_op``: the local reduction the caller applies to ``out`` (see
+        :func:`.allgather.prepare_allgather`); ranks that disagree on it raise a mismatch."""
         return await self._collective(
-            "allgather", lambda: prepare_allgather(x, out, self.world_size), run_allgather
+            "allgather",
+            lambda: prepare_allgather(x, out, self.world_size, reduce_op),
+            run_allgather,
         )
 
     async def barrier(self) -> None:

@@ -461,7 +461,8 @@ class ProcessGroupCGX(dist.ProcessGroup):
         return self._run(ops.alltoall(self._view, output_tensors, input_tensors), opts)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> CGXWork:
-        """Reduce to ``rootRank``; other ranks' tensors are left unchanged."""
+        """Reduce to ``rootRank``; other ranks' tensors are left unchanged. An all_reduce
+        underneath: SUM/AVG of floats is quantized when compression is on, as there."""
         self._check_open()
         opts = opts if opts is not None else dist.ReduceOptions()
         t = self._single(tensors, "reduce")

@@ -177,7 +177,7 @@ def allreduce_into(
     # every rank computes the same value.
     flat = t.view(-1)
     gathered = torch.empty((g.size, flat.numel()), dtype=t.dtype, device=t.device)
-    cf = g.comm.allgather(as_array(flat), out=as_array(gathered))
+    cf = g.comm.allgather(as_array(flat), out=as_array(gathered), reduce_op=kind)
     return cf, lambda: _local_reduce(kind, gathered, flat)
 
 

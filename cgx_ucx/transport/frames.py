@@ -28,7 +28,7 @@ Layout, little-endian, ``struct`` format ``<4sBBBBQIIHHIBBBBIQQQ16s``::
     4   B   version       2 (1 had a 60-byte body and a CRC32; no communicator id)
     5   B   kind          Kind (HELLO, HELLO_ACK, PROOF, DATA, SIG, ABORT, BYE, STATUS...)
     6   B   collective    Coll (allreduce, broadcast, allgather, barrier, p2p, ...)
-    7   B   reduce_op     Op (none, sum, avg)
+    7   B   reduce_op     Op (none, sum, avg; max ... bxor: an allgather's local reduction)
     8   Q   job           64-bit id of this communicator instance (from its token)
     16  I   comm          communicator id, agreed through the store (never random)
     20  I   seq           collective sequence number of the sender
@@ -145,6 +145,14 @@ class Op(enum.IntEnum):
     NONE = 0
     SUM = 1
     AVG = 2
+    # An allgather that feeds a local reduction (the torch backend's exact reductions)
+    # signs the reduction with these, so ranks that disagree on it raise a mismatch.
+    MAX = 3
+    MIN = 4
+    PROD = 5
+    BAND = 6
+    BOR = 7
+    BXOR = 8
 
 
 class Algo(enum.IntEnum):
