@@ -23,6 +23,7 @@ from .errors import CGXError, CodecError, ConfigError
 __all__ = [
     "BFLOAT16",
     "CODEC_DTYPES",
+    "MAX_BUCKET_SIZE",
     "NO_COMPRESSION_BITS",
     "SEED_LIMIT",
     "VALID_BITS",
@@ -48,6 +49,8 @@ CODEC_DTYPES = frozenset({np.dtype(np.float32), np.dtype(np.float16), BFLOAT16})
 NO_COMPRESSION_BITS = 32
 #: Widths the codec supports: 1..8 bits per value (CGX paper), or 32 uncompressed.
 VALID_BITS = frozenset(range(1, 9)) | {NO_COMPRESSION_BITS}
+#: Largest bucket (values per scale pair) the codec header's u32 field holds.
+MAX_BUCKET_SIZE = 2**32 - 1
 #: Seeds are 64-bit counters of the stochastic-rounding hash (splitmix64).
 SEED_LIMIT = 2**64
 

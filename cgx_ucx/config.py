@@ -32,7 +32,14 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 # NO_COMPRESSION_BITS (torch_cgx's 32: do not quantize) and VALID_BITS live with the validators.
-from .arrays import NO_COMPRESSION_BITS, VALID_BITS, check_bits, check_positive_int, check_seed
+from .arrays import (
+    MAX_BUCKET_SIZE,
+    NO_COMPRESSION_BITS,
+    VALID_BITS,
+    check_bits,
+    check_positive_int,
+    check_seed,
+)
 from .errors import ConfigError
 
 __all__ = [
@@ -89,9 +96,11 @@ class CompressionConfig:
 
     def __post_init__(self) -> None:
         check_bits(self.bits)
-        check_positive_int(self.bucket_size, "bucket_size")
+        check_positive_int(self.bucket_size, "bucket_size", limit=MAX_BUCKET_SIZE + 1)
         check_positive_int(self.minimal_size, "minimal_size", minimum=0)
         check_seed(self.seed)
+        if not (isinstance(self.stochastic, bool) or self.stochastic in (0, 1)):
+            raise ConfigError(f"stochastic must be True or False, got {self.stochastic!r}")
 
     @property
     def enabled(self) -> bool:
@@ -141,6 +150,8 @@ class CommConfig:
     node_id: str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)):
+            raise ConfigError(f"timeout must be a number of seconds > 0, got {self.timeout!r}")
         if not self.timeout > 0:
             raise ConfigError(f"timeout must be > 0 seconds, got {self.timeout!r}")
         if not self.connect_timeout > 0:
@@ -212,11 +223,18 @@ def resolve_compression(
     Keywords whose value is ``None`` count as not given.
     """
     env = os.environ if env is None else env
-    stochastic = _env_int(ENV_STOCHASTIC, env, "an integer (0: nearest, 1: stochastic)", _any)
+    stochastic = _env_int(
+        ENV_STOCHASTIC, env, "0 (nearest) or 1 (stochastic)", lambda v: v in (0, 1)
+    )
     minimal = _env_int(ENV_MINIMAL_SIZE, env, "an integer >= 0", lambda v: v >= 0)
     env_values = {
         "bits": _env_int(ENV_BITS, env, "an integer in 1..8 or 32", VALID_BITS.__contains__),
-        "bucket_size": _env_int(ENV_BUCKET_SIZE, env, "an integer >= 1", lambda v: v >= 1),
+        "bucket_size": _env_int(
+            ENV_BUCKET_SIZE,
+            env,
+            f"an integer in 1..{MAX_BUCKET_SIZE}",
+            lambda v: 1 <= v <= MAX_BUCKET_SIZE,
+        ),
         # torch_cgx forces the minimal size to at least 16 values.
         "minimal_size": None if minimal is None else max(minimal, MIN_COMPRESSED_SIZE),
         "stochastic": None if stochastic is None else bool(stochastic),
@@ -263,10 +281,6 @@ def resolve_comm(
     node_id = env.get(ENV_NODE_ID) or None
     env_values = {"timeout": timeout, "secret": secret, "node_id": node_id}
     return _merge(CommConfig, base or CommConfig(), env_values, kwargs)
-
-
-def _any(value: int) -> bool:
-    return True
 
 
 def validate_environment(env: Mapping[str, str] | None = None) -> CompressionConfig:

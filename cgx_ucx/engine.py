@@ -197,6 +197,10 @@ class SyncCommunicator:
     def barrier(self) -> concurrent.futures.Future:
         return self._submit(self._comm.barrier())
 
+    def refuse(self, name: str, exc: Any) -> concurrent.futures.Future:
+        """Submit :meth:`Communicator.refuse` (its future fails with ``exc``)."""
+        return self._submit(self._comm.refuse(name, exc))
+
     def alltoall(
         self, x: Any, out: Any, send_counts: Any = None, recv_counts: Any = None
     ) -> concurrent.futures.Future:

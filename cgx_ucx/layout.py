@@ -14,7 +14,7 @@ import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from .arrays import check_bits, check_positive_int
+from .arrays import MAX_BUCKET_SIZE, check_bits, check_positive_int
 from .config import NO_COMPRESSION_BITS, CompressionConfig
 from .errors import ConfigError
 
@@ -41,7 +41,7 @@ class LayerSpec:
         check_positive_int(self.offset, "layer offset", 0)
         check_positive_int(self.numel, "layer numel", 0)
         check_bits(self.bits, "layer bits")
-        check_positive_int(self.bucket_size, "layer bucket_size")
+        check_positive_int(self.bucket_size, "layer bucket_size", limit=MAX_BUCKET_SIZE + 1)
 
     @property
     def end(self) -> int:

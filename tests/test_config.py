@@ -76,9 +76,11 @@ def test_layout_digest_and_contiguity():
     [
         (ENV_BITS, "5x", "an integer in 1..8 or 32"),
         (ENV_BITS, "9", "an integer in 1..8 or 32"),
-        (ENV_BUCKET_SIZE, "0", "an integer >= 1"),
+        (ENV_BUCKET_SIZE, "0", "an integer in 1..4294967295"),
         (ENV_MINIMAL_SIZE, "-1", "an integer >= 0"),
-        (ENV_STOCHASTIC, "yes", "an integer"),
+        (ENV_STOCHASTIC, "yes", "0 (nearest) or 1 (stochastic)"),
+        (ENV_STOCHASTIC, "2", "0 (nearest) or 1 (stochastic)"),
+        (ENV_BUCKET_SIZE, str(2**32), "an integer in 1..4294967295"),
     ],
 )
 def test_bad_environment_value_names_the_variable(name, raw, accepts):
@@ -158,3 +160,28 @@ def test_compression_from_env_follows_every_change(monkeypatch):
 def test_bad_spin_mode_is_caught_with_the_other_variables():
     with pytest.raises(ConfigError, match="CGX_UCX_SPIN"):
         validate_environment({"CGX_UCX_SPIN": "sometimes"})
+
+
+def test_explicit_configs_refuse_values_that_would_fail_later():
+    """Found by the adversarial review: these were accepted and failed at the first call
+    (a struct.error), or silently meant something else (a truthy string)."""
+    with pytest.raises(ConfigError, match="bucket_size"):
+        CompressionConfig(bits=4, bucket_size=2**32)
+    assert CompressionConfig(bits=4, bucket_size=2**32 - 1).bucket_size == 2**32 - 1
+    with pytest.raises(ConfigError, match="stochastic"):
+        CompressionConfig(bits=4, stochastic="no")
+    assert CompressionConfig(bits=4, stochastic=1).stochastic == 1
+    with pytest.raises(ConfigError, match="timeout"):
+        CommConfig(timeout="5")
+    with pytest.raises(ConfigError, match="layer bucket_size"):
+        LayerSpec(0, 10, 4, 2**32)
+
+
+def test_cgx_options_check_their_parts():
+    pytest.importorskip("torch")
+    from cgx_ucx.torch import CGXOptions
+
+    with pytest.raises(ConfigError, match="CompressionConfig"):
+        CGXOptions(compression="x")
+    with pytest.raises(ConfigError, match="CommConfig"):
+        CGXOptions(comm={"timeout": 5})

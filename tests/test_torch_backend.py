@@ -164,6 +164,49 @@ def test_subgroups_of_some_ranks_of_a_node_under_torchrun() -> None:
     assert run_torch_ranks(_subgroups_under_torchrun, 3, timeout=110) == [[4.0], [2.0], [4.0]]
 
 
+def _one_rank_argument_error(rank: int, world: int, store: Any) -> list[str]:
+    import torch
+    import torch.distributed as dist
+
+    from cgx_ucx.errors import CGXError
+
+    _init(rank, world, store, timeout_s=30)
+    seen = []
+    cases = [
+        # gather: the root's outputs do not match the input (the others' calls are fine)
+        lambda: dist.gather(
+            torch.ones(4), [torch.empty(3) for _ in range(world)] if rank == 0 else None, dst=0
+        ),
+        # all_gather: one rank passes a list of the wrong length
+        lambda: dist.all_gather([torch.empty(2) for _ in range(world + rank)], torch.ones(2)),
+    ]
+    for case in cases:
+        start = time.monotonic()
+        try:
+            case()
+            seen.append("no error")
+        except CGXError as exc:
+            seen.append(f"{type(exc).__name__} {time.monotonic() - start:.1f}")
+        t = torch.ones(3)
+        dist.all_reduce(t)  # the group is still usable, on every rank
+        assert t.tolist() == [float(world)] * 3
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_an_argument_error_on_one_rank_fails_the_others_at_once() -> None:
+    """A ConfigError the backend finds on one rank, before the call starts, refuses that
+    call on the engine: the peers raise CollectiveMismatchError at once instead of
+    waiting out the 30 s timeout (found by the adversarial review for gather)."""
+    seen = run_torch_ranks(_one_rank_argument_error, 2, timeout=110)
+    kinds = [[s.split()[0] for s in rank] for rank in seen]
+    assert kinds == [
+        ["ConfigError", "CollectiveMismatchError"],
+        ["CollectiveMismatchError", "ConfigError"],
+    ], seen
+    assert all(float(s.split()[1]) < 10 for rank in seen for s in rank), seen
+
+
 # -- compressed all_reduce -----------------------------------------------------------------
 def _compressed(rank: int, world: int, store: Any) -> None:
     import torch

@@ -426,6 +426,21 @@ class Communicator:
         """Return once every rank has entered the barrier."""
         await self._collective("barrier", prepare_barrier, run_barrier)
 
+    async def refuse(self, name: str, exc: CGXError) -> None:
+        """Take this rank's turn in the next collective only to refuse it: raises ``exc``
+        here and aborts the peers' collective of the same number, as an argument error
+        inside a collective does (they raise CollectiveMismatchError naming this rank and
+        ``exc``). For callers that find a rank-local error before starting the call (the
+        torch backend's argument checks), so that the peers do not wait out the timeout."""
+
+        def prepare() -> tuple[Frame, None]:
+            raise exc
+
+        async def never(call: Call, state: None) -> None:  # pragma: no cover
+            raise AssertionError("refuse() ran a collective")
+
+        await self._collective(name, prepare, never)
+
     async def alltoall(
         self, x: Any, out: Any, send_counts: Any = None, recv_counts: Any = None
     ) -> Any:

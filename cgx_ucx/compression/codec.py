@@ -61,6 +61,7 @@ import numpy as np
 
 from ..arrays import (
     BFLOAT16,
+    MAX_BUCKET_SIZE,
     NO_COMPRESSION_BITS,
     as_uint8_buffer,
     check_bits,
@@ -101,8 +102,6 @@ META_NBYTES = 8
 #: Flag bits of the header.
 FLAG_STOCHASTIC = 1
 _KNOWN_FLAGS = FLAG_STOCHASTIC
-#: Largest bucket the u32 header field holds.
-MAX_BUCKET_SIZE = 2**32 - 1
 _BUCKET_LIMIT = MAX_BUCKET_SIZE + 1
 
 _DTYPE_CODES: dict[np.dtype, int] = {

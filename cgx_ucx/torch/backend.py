@@ -36,8 +36,10 @@ Semantics:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import datetime
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -97,6 +99,13 @@ class CGXOptions:
     policy: str = "static"
 
     def __post_init__(self) -> None:
+        if self.compression is not None and not isinstance(self.compression, CompressionConfig):
+            raise ConfigError(
+                "CGXOptions.compression must be a CompressionConfig or None, got "
+                f"{self.compression!r}"
+            )
+        if self.comm is not None and not isinstance(self.comm, CommConfig):
+            raise ConfigError(f"CGXOptions.comm must be a CommConfig or None, got {self.comm!r}")
         if self.policy == "static":
             return
         from ..compression.policies import POLICIES
@@ -145,6 +154,27 @@ def _connect(
     from ..engine import connect_sync  # the engine imports UCX: only when a group is made
 
     return connect_sync(store, rank, size, config=config, prefix=prefix)
+
+
+def _tells_peers(fn: Callable[..., CGXWork]) -> Callable[..., CGXWork]:
+    """For a numbered collective: a ConfigError found here, before the engine call
+    starts, also refuses that call on the engine, so the peers raise at once
+    (CollectiveMismatchError naming this rank and the error) instead of waiting for
+    this rank until the timeout. Every such method starts exactly one engine collective,
+    as its last step, so the refusal takes the number the call would have taken."""
+
+    @functools.wraps(fn)
+    def checked(self: ProcessGroupCGX, *args: Any, **kwargs: Any) -> CGXWork:
+        try:
+            return fn(self, *args, **kwargs)
+        except ConfigError as exc:
+            if not self._closed and self._size > 1:
+                # A closed or failed communicator: the peers know already.
+                with contextlib.suppress(CGXError):
+                    self._comm.refuse(fn.__name__, exc)
+            raise
+
+    return checked
 
 
 class ProcessGroupCGX(dist.ProcessGroup):
@@ -276,6 +306,7 @@ class ProcessGroupCGX(dist.ProcessGroup):
         return self._work(pending.what, pending.future, pending.finish, _timeout_of(opts))
 
     # -- collectives -------------------------------------------------------------------------
+    @_tells_peers
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> CGXWork:
         self._check_open()
         opts = opts if opts is not None else dist.AllreduceOptions()
@@ -290,6 +321,7 @@ class ProcessGroupCGX(dist.ProcessGroup):
 
         return self._work("allreduce", cf, finish, opts.timeout)
 
+    @_tells_peers
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> CGXWork:
         self._check_open()
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
@@ -310,6 +342,7 @@ class ProcessGroupCGX(dist.ProcessGroup):
 
         return self._work("allreduce_coalesced", cf, finish, opts.timeout)
 
+    @_tells_peers
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> CGXWork:
         self._check_open()
         opts = opts if opts is not None else dist.BroadcastOptions()
@@ -329,6 +362,7 @@ class ProcessGroupCGX(dist.ProcessGroup):
         """Gather contiguous ``inp`` from every rank into contiguous ``out`` (world, n)."""
         return self._comm.allgather(as_array(inp.reshape(-1)), out=as_array(out))
 
+    @_tells_peers
     def allgather(
         self,
         output_tensors: list[list[torch.Tensor]],
@@ -355,6 +389,7 @@ class ProcessGroupCGX(dist.ProcessGroup):
 
         return self._work("allgather", cf, finish, _timeout_of(opts))
 
+    @_tells_peers
     def all_gather_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> CGXWork:
@@ -377,6 +412,7 @@ class ProcessGroupCGX(dist.ProcessGroup):
     # torch < 2.13 names the same operation _allgather_base.
     _allgather_base = all_gather_single
 
+    @_tells_peers
     def allgather_coalesced(
         self,
         output_lists: list[list[torch.Tensor]],
@@ -386,6 +422,7 @@ class ProcessGroupCGX(dist.ProcessGroup):
         self._check_open()
         return self._run(ops.allgather_coalesced(self._view, output_lists, input_list), opts)
 
+    @_tells_peers
     def allgather_into_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> CGXWork:
@@ -394,6 +431,7 @@ class ProcessGroupCGX(dist.ProcessGroup):
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
+    @_tells_peers
     def reduce_scatter(
         self,
         output_tensors: list[torch.Tensor],
@@ -409,6 +447,7 @@ class ProcessGroupCGX(dist.ProcessGroup):
         cfg = self.compression
         return self._run(ops.reduce_scatter(self._view, out, ins, opts.reduceOp, cfg), opts)
 
+    @_tells_peers
     def reduce_scatter_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> CGXWork:
@@ -422,6 +461,7 @@ class ProcessGroupCGX(dist.ProcessGroup):
 
     _reduce_scatter_base = reduce_scatter_single
 
+    @_tells_peers
     def reduce_scatter_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> CGXWork:
@@ -434,6 +474,7 @@ class ProcessGroupCGX(dist.ProcessGroup):
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
+    @_tells_peers
     def alltoall_base(
         self,
         output: torch.Tensor,
@@ -451,6 +492,7 @@ class ProcessGroupCGX(dist.ProcessGroup):
 
     all_to_all_single = alltoall_base
 
+    @_tells_peers
     def alltoall(
         self,
         output_tensors: list[torch.Tensor],
@@ -460,6 +502,7 @@ class ProcessGroupCGX(dist.ProcessGroup):
         self._check_open()
         return self._run(ops.alltoall(self._view, output_tensors, input_tensors), opts)
 
+    @_tells_peers
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> CGXWork:
         """Reduce to ``rootRank``; other ranks' tensors are left unchanged. An all_reduce
         underneath: SUM/AVG of floats is quantized when compression is on, as there."""
@@ -478,6 +521,7 @@ class ProcessGroupCGX(dist.ProcessGroup):
 
         return self._work("reduce", cf, finish, opts.timeout)
 
+    @_tells_peers
     def gather(
         self,
         output_tensors: list[list[torch.Tensor]],
@@ -497,6 +541,7 @@ class ProcessGroupCGX(dist.ProcessGroup):
 
         return self._work("gather", cf, finish, opts.timeout)
 
+    @_tells_peers
     def scatter(
         self,
         output_tensors: list[torch.Tensor],
@@ -516,6 +561,7 @@ class ProcessGroupCGX(dist.ProcessGroup):
 
         return self._work("scatter", cf, finish, opts.timeout)
 
+    @_tells_peers
     def barrier(self, opts: Any = None) -> CGXWork:
         self._check_open()
         cf = self._comm.barrier()

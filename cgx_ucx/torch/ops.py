@@ -434,6 +434,13 @@ def gather(
     g: GroupView, outs: Sequence[torch.Tensor], t: torch.Tensor, root: int
 ) -> tuple[Any, Callable[[Any], None]]:
     """Every rank's ``t`` into ``outs`` on ``root`` (an allgather: simple and exact)."""
+    if g.rank == root:
+        for r, o in enumerate(outs):
+            if o.numel() != t.numel() or o.dtype != t.dtype:
+                raise ConfigError(
+                    f"gather: output {r} on the root holds {o.numel()} values of {o.dtype}, "
+                    f"the input {t.numel()} of {t.dtype}"
+                )
     gathered = torch.empty((g.size, t.numel()), dtype=t.dtype, device=t.device)
     cf = g.comm.allgather(as_array(t.contiguous().reshape(-1)), out=as_array(gathered))
     keep = outs if g.rank == root else []
