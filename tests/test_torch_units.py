@@ -248,3 +248,19 @@ def test_split_state_refuses_bad_checkpoints() -> None:
     with pytest.raises(ConfigError, match="error_feedback is off"):
         split_state(state, "CGXState", None)
     assert split_state({"steps": 0, "residuals": {}}, "CGXState", None) == (0, {}, None)
+
+
+@pytest.mark.timeout(30)
+def test_work_of_a_cancelled_engine_call_raises_a_typed_error() -> None:
+    """destroy_process_group with async work pending cancels the engine's calls; waiting
+    on their Work raised a bare concurrent.futures.CancelledError (adversarial review)."""
+    from cgx_ucx.errors import CGXError
+
+    src: concurrent.futures.Future[int] = concurrent.futures.Future()
+    work = CGXWork.from_future("allreduce", 10, src, lambda v: [])
+    src.cancel()
+    with pytest.raises(CGXError, match="shut down"):
+        work.wait()
+    assert work.is_completed() and not work.is_success()
+    with pytest.raises(CGXError):
+        work.get_future().wait()

@@ -29,6 +29,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from ..errors import TransportError
+
 __all__ = ["TorchBridge", "completion_executor", "to_torch_future"]
 
 T = TypeVar("T")
@@ -59,10 +61,19 @@ def _complete(
     done: Callable[[BaseException | None], None] | None,
 ) -> None:
     try:
-        exc = src.exception()
-        if exc is None:
-            value = finish(src.result())
-    except BaseException as err:  # cancellation, or a failing finish()
+        if src.cancelled():
+            # The engine cancels the calls still running when their communicator closes
+            # (destroy_process_group with async work pending): a typed error, not a bare
+            # concurrent.futures.CancelledError.
+            exc = TransportError(
+                "the collective was cancelled before it completed: its process group was "
+                "shut down (destroy_process_group) while it was still running"
+            )
+        else:
+            exc = src.exception()
+            if exc is None:
+                value = finish(src.result())
+    except BaseException as err:  # a failing finish()
         exc = err
     try:
         if exc is not None:
