@@ -292,6 +292,35 @@ def test_close_stops_waiting_for_a_peer_that_dies_meanwhile():
     assert seconds < CLOSE_WAIT_S / 2, f"close took {seconds:.2f} s after the peer died"
 
 
+async def closes_while_its_peer_calls(ctx):
+    """Rank 1 closes after collective #1 while rank 0 starts #2: rank 0 raises at once,
+    naming the close (it waited until rank 1's close gave up on rank 0's BYE, ~10 s), and
+    rank 1's close returns without sitting out its wait for that BYE."""
+    comm = await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG)
+    await comm.allreduce(np.ones(100, np.float32))
+    start = time.monotonic()
+    if ctx.rank == 1:
+        await comm.close()
+        return "closed", time.monotonic() - start
+    try:
+        await comm.allreduce(np.ones(100, np.float32))
+        return "no error", time.monotonic() - start
+    except PeerLostError as exc:
+        return str(exc), time.monotonic() - start
+    finally:
+        await comm.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_that_closes_fails_the_next_call_at_once():
+    from cgx_ucx.transport.mesh import CLOSE_WAIT_S
+
+    (text, seconds), (_, close_seconds) = run_ranks(closes_while_its_peer_calls, 2, timeout=50)
+    assert "rank 1 closed its communicator" in text, text
+    assert seconds < CLOSE_WAIT_S / 2, seconds
+    assert close_seconds < CLOSE_WAIT_S / 2, close_seconds
+
+
 async def silent_peer(ctx):
     cfg = CommConfig(timeout=2.0, connect_timeout=30.0)
     comm = await connect(ctx.store, ctx.rank, ctx.world_size, config=cfg)

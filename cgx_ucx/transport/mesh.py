@@ -123,7 +123,18 @@ class TransportStats:
 
 
 class _Peer:
-    __slots__ = ("aborted", "bye", "ctrl", "ctrl_task", "data", "keys", "lost", "rank", "status")
+    __slots__ = (
+        "aborted",
+        "bye",
+        "bye_seq",
+        "ctrl",
+        "ctrl_task",
+        "data",
+        "keys",
+        "lost",
+        "rank",
+        "status",
+    )
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -133,6 +144,8 @@ class _Peer:
         self.ctrl_task: asyncio.Task | None = None
         self.lost: CGXError | None = None
         self.bye = False
+        #: The last collective the peer started before it said BYE (the BYE's seq).
+        self.bye_seq = 0
         self.status: asyncio.Future | None = None  # a STATUS answer being waited for
         #: What the peer's last ABORT said ("collective #n: reason"): a peer that gives
         #: up a call we had already finished, then closes, is reported with its reason.
@@ -315,8 +328,9 @@ class Mesh(MeshSetup):
     def _on_control(self, p: _Peer, frame: Frame, reason: str) -> bool:
         """Act on one control frame; False ends the control loop."""
         if frame.kind == Kind.BYE:
-            p.bye = True
+            p.bye, p.bye_seq = True, frame.seq
             self._bye_seen()
+            self._check_bye(p)
         elif frame.kind == Kind.ABORT:
             self._aborts += 1
             p.aborted = f"collective #{frame.seq}: {reason or f'abort code {frame.phase}'}"
@@ -369,6 +383,25 @@ class Mesh(MeshSetup):
         """Record that collective ``seq`` started here (``what``: e.g. "allreduce, numel
         4096"); peers that time out waiting for us are told."""
         self.activity.started(seq, what)
+        for p in self.peers.values():
+            if p.bye:
+                self._check_bye(p)
+
+    def _check_bye(self, p: _Peer) -> None:
+        """A peer that said BYE after collective #n will not take part in a later one: a
+        collective of ours past n that is running now fails at once, naming the close,
+        rather than when the peer's endpoints go (the peer waits up to CLOSE_WAIT_S for
+        our BYE first). Collectives up to n are left alone: the BYE travels on the control
+        channel and may overtake the peer's last data frames."""
+        if self._closing or p.lost is not None or not p.bye:
+            return
+        act = self.activity
+        if act.started_seq > max(p.bye_seq, act.finished_seq):
+            text = (
+                f"rank {p.rank} closed its communicator after collective #{p.bye_seq}; "
+                f"collective #{act.started_seq} ({act.what}) here needs it"
+            )
+            self.lose(p.rank, PeerLostError(text, peer=p.rank), quiet=True)
 
     def collective_finished(self, seq: int) -> None:
         self.activity.finished(seq)
@@ -799,7 +832,8 @@ class Mesh(MeshSetup):
         loop = asyncio.get_running_loop()
         self._bye_fut = loop.create_future()
         live = [r for r, p in self.peers.items() if p.lost is None]
-        bye = Frame(kind=Kind.BYE, job=self.job, src=self.rank)
+        # seq: the last collective this rank started (peers fail their later ones at once).
+        bye = Frame(kind=Kind.BYE, job=self.job, src=self.rank, seq=self.activity.started_seq)
         await asyncio.gather(*(self.send_control(r, bye) for r in live))
         self._bye_seen()
         failed = self.failure is not None or self._aborts > 0
