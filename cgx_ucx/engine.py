@@ -197,6 +197,10 @@ class SyncCommunicator:
     def barrier(self) -> concurrent.futures.Future:
         return self._submit(self._comm.barrier())
 
+    def late_peers(self) -> concurrent.futures.Future:
+        """Submit :meth:`Communicator.late_peers`."""
+        return self._submit(self._comm.late_peers())
+
     def refuse(self, name: str, exc: Any) -> concurrent.futures.Future:
         """Submit :meth:`Communicator.refuse` (its future fails with ``exc``)."""
         return self._submit(self._comm.refuse(name, exc))

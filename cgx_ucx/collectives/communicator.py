@@ -426,6 +426,19 @@ class Communicator:
         """Return once every rank has entered the barrier."""
         await self._collective("barrier", prepare_barrier, run_barrier)
 
+    async def late_peers(self) -> list[tuple[int, str]]:
+        """The peers that have not started this rank's latest collective (or are gone,
+        or did not answer), each with what its status answer says; asked on the control
+        channels, at most ~1 s. For reports such as torch's ``monitored_barrier``."""
+        mesh = self._mesh
+        mine = mesh.activity.started_seq
+        statuses = await asyncio.gather(*(mesh.peer_status(r) for r in sorted(mesh.peers)))
+        return [
+            (s.rank, s.describe())
+            for s in statuses
+            if s.gone or not s.answered or s.started_seq < mine
+        ]
+
     async def refuse(self, name: str, exc: CGXError) -> None:
         """Take this rank's turn in the next collective only to refuse it: raises ``exc``
         here and aborts the peers' collective of the same number, as an argument error

@@ -36,6 +36,7 @@ Semantics:
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
@@ -56,12 +57,12 @@ from ..config import (
     resolve_comm,
     validate_environment,
 )
-from ..errors import CGXError, ConfigError
+from ..errors import CGXError, CGXTimeoutError, ConfigError
 from . import ops
 from . import p2p as _p2p
 from ._convert import as_array
 from .protocols import Communicator, Store
-from .work import CGXWork
+from .work import CGXWork, wait_seconds
 
 __all__ = [
     "BACKEND_NAME",
@@ -568,10 +569,28 @@ class ProcessGroupCGX(dist.ProcessGroup):
         return self._work("barrier", cf, lambda _: [], _timeout_of(opts))
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
-        """A barrier bounded by ``timeout`` (CGXTimeoutError past it). Every rank waits
-        for all (``wait_all_ranks`` is accepted: a late rank is named by the engine's
-        status query when one is silent past the group's timeout)."""
-        self.barrier().wait(timeout)
+        """A barrier bounded by ``timeout``: past it, a CGXTimeoutError naming every rank
+        that has not reached the barrier (asked on the control channels), as gloo's
+        names the ranks that failed to pass it. Every rank waits for all and reports all
+        late ranks (``wait_all_ranks`` is accepted; the report is always complete)."""
+        work = self.barrier()
+        try:
+            work.wait(timeout)
+        except CGXTimeoutError as exc:
+            try:
+                late = self._comm.late_peers().result(MONITOR_STATUS_WAIT_S)
+            except (CGXError, concurrent.futures.TimeoutError):
+                raise exc from None
+            if not late:
+                raise
+            ranks = [r for r, _ in late]
+            raise CGXTimeoutError(
+                f"monitored_barrier on rank {self._rank}: rank(s) {ranks} did not reach the "
+                f"barrier within {wait_seconds(timeout) or self.timeout:g} s: "
+                + "; ".join(text for _, text in late),
+                peer=ranks[0],
+                alive=None,
+            ) from exc
 
     # -- point to point ------------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> CGXWork:
@@ -674,6 +693,8 @@ def get_communicator(
 #: Seconds each communicator made by get_communicator may take to close at exit: the
 #: peers may already be gone, and exit must not wait out the full collective timeout.
 EXIT_CLOSE_TIMEOUT_S = 5.0
+#: How long monitored_barrier waits for the peers' status answers after its timeout.
+MONITOR_STATUS_WAIT_S = 5.0
 
 
 def close_communicators(timeout: float = EXIT_CLOSE_TIMEOUT_S) -> None:

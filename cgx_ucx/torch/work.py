@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ..errors import CGXTimeoutError
 from .futures import TorchBridge
 
-__all__ = ["CGXWork"]
+__all__ = ["CGXWork", "wait_seconds"]
 
 # The one place that names a torch internal. A Work written in Python must subclass
 # torch's C++ Work class (as torch's own Python ProcessGroup tests do): recent torch
@@ -34,7 +34,7 @@ __all__ = ["CGXWork"]
 _TorchWork: type = getattr(dist, "Work", None) or dist._Work  # noqa: SLF001
 
 
-def _seconds(timeout: Any) -> float | None:
+def wait_seconds(timeout: Any) -> float | None:
     """Seconds of a wait timeout; None when it means "no timeout" (torch's 0 or < 0)."""
     if timeout is None:
         return None
@@ -107,7 +107,7 @@ class CGXWork(_TorchWork):
 
     def wait(self, timeout: Any = None) -> bool:
         """Block until done; raise the collective's error or CGXTimeoutError."""
-        limit = _seconds(timeout) or self._timeout
+        limit = wait_seconds(timeout) or self._timeout
         end = time.monotonic() + limit
         if self._bridge is not None and not self._finished:
             self._bridge.wait(limit)  # completes here: no completion-thread hop
