@@ -596,3 +596,13 @@ def test_status_calls_bracket_every_collective():
         assert activity[0] == ("started", 1, "allreduce, numel 100, bits 4")
         assert activity[1] == ("finished", 1, "")
         assert activity[2] == ("finished", 2, "")
+
+
+def test_error_messages_name_a_point_to_point_message_as_such():
+    """A p2p receive that times out was described as "phase 8 piece <tag> of collective
+    #<n>" (adversarial review); frames of collectives keep their description."""
+    from cgx_ucx.collectives.p2p import PH_P2P
+    from cgx_ucx.transport.frames import describe_slot
+
+    assert describe_slot(0, PH_P2P, 99) == "point-to-point message 0 on tag 99"
+    assert describe_slot(3, 1, 2) == "phase 1 piece 2 of collective #3"

@@ -264,3 +264,14 @@ def test_work_of_a_cancelled_engine_call_raises_a_typed_error() -> None:
     assert work.is_completed() and not work.is_success()
     with pytest.raises(CGXError):
         work.get_future().wait()
+
+
+def test_a_sum_of_a_dtype_the_engine_cannot_add_names_the_dtype() -> None:
+    """It said "does not support reduce op SUM" for uint16 (adversarial review)."""
+    import torch.distributed as dist
+
+    from cgx_ucx.torch.ops import _local_kind
+
+    with pytest.raises(ConfigError, match=r"cannot SUM tensors of torch.uint16"):
+        _local_kind(torch.zeros(2, dtype=torch.uint16), dist.ReduceOp.SUM)
+    assert _local_kind(torch.zeros(2, dtype=torch.uint16), dist.ReduceOp.MAX) == "max"

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..config import CommConfig
 from ..errors import CGXTimeoutError, CollectiveMismatchError, ConfigError, ProtocolError
-from ..transport.frames import Coll, Frame
+from ..transport.frames import PH_P2P, Coll, Frame
 from ..transport.mesh import MAX_SLOTS
 from .call import describe, make_template
 from .staging import as_flat, byte_view, synchronize
@@ -40,8 +40,6 @@ from .transport import Transport
 
 __all__ = ["MAX_TAG", "PH_P2P", "PointToPoint"]
 
-#: Phase of every point-to-point frame (collectives use 1-3; 15 is the data HELLO).
-PH_P2P = 8
 #: Largest user tag: the tag travels in the frame's slot bits.
 MAX_TAG = MAX_SLOTS - 1
 #: Largest payload a mismatched receive drains into a scratch buffer; beyond it the

@@ -126,6 +126,12 @@ def _local_kind(t: torch.Tensor, op: Any) -> str:
     kind = _LOCAL_REDUCE.get(op)
     if op in (_RedOp.SUM, _RedOp.AVG) and t.dtype == torch.bool:
         kind = "bor"  # torch's SUM of bools is a logical or
+    if kind is None and op in (_RedOp.SUM, _RedOp.AVG):
+        raise ConfigError(
+            f"the cgx backend cannot {op.name} tensors of {t.dtype}: it sums floating "
+            "(16, 32, 64 bit), complex, int8..int64 and uint8 tensors; convert the tensor "
+            "or use a gloo group"
+        )
     if kind is None:
         raise ConfigError(f"the cgx backend does not support reduce op {op}")
     if kind in ("band", "bor", "bxor") and (t.is_floating_point() or t.is_complex()):

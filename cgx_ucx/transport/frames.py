@@ -74,6 +74,7 @@ __all__ = [
     "MAX_INLINE_NBYTES",
     "MAX_PAYLOAD_NBYTES",
     "MIXED_BITS",
+    "PH_P2P",
     "RECV_NBYTES",
     "VERSION",
     "Algo",
@@ -82,6 +83,7 @@ __all__ = [
     "Kind",
     "Op",
     "copy_inline",
+    "describe_slot",
     "dtype_code",
     "dtype_from_code",
     "inlinable",
@@ -162,6 +164,18 @@ class Algo(enum.IntEnum):
     DIRECT = 3  # broadcast / allgather straight to every peer
     ONESHOT = 4  # allreduce in one round: every rank sends its whole buffer to every peer
     HIERARCHICAL = 5  # two levels: node-local reduce-scatter, cross-node, node-local allgather
+
+
+#: Phase of every point-to-point frame (collectives use 1-5; 15 is the data HELLO): its
+#: seq is the message's number on its (pair, tag) stream, its slot the user's tag.
+PH_P2P = 8
+
+
+def describe_slot(seq: int, phase: int, slot: int) -> str:
+    """What a frame of (seq, phase, slot) carries, for error messages."""
+    if phase == PH_P2P:
+        return f"point-to-point message {seq} on tag {slot}"
+    return f"phase {phase} piece {slot} of collective #{seq}"
 
 
 class AbortCode(enum.IntEnum):

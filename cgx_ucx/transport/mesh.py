@@ -62,6 +62,7 @@ from .frames import (
     Frame,
     Kind,
     copy_inline,
+    describe_slot,
     inlinable,
     inline_message,
     inline_payload,
@@ -551,7 +552,7 @@ class Mesh(MeshSetup):
             frame = frame.with_(comm=self.comm_id)
         self.activity.sending(frame)
         key = self.peers[rank].keys.key  # type: ignore[union-attr]
-        what = f"sending phase {frame.phase} piece {frame.slot} of collective #{frame.seq}"
+        what = "sending " + describe_slot(frame.seq, frame.phase, frame.slot)
         tag = structured_tag(frame.seq, frame.phase, frame.slot, False)
         if payload is None or frame.payload == 0:
             await self.send(rank, tag, np.frombuffer(frame.pack(key), np.uint8), what, extra)
@@ -582,7 +583,7 @@ class Mesh(MeshSetup):
         header is checked first, then the inline bound and end; the returned frame
         carries the payload bytes in ``inline`` and no longer has FLAG_INLINE."""
         buf = np.zeros(RECV_NBYTES, np.uint8)
-        what = f"phase {phase} piece {slot} of collective #{seq}"
+        what = describe_slot(seq, phase, slot)
         tag = structured_tag(seq, phase, slot, False)
         await self._recv_message(rank, tag, buf, what, extra, deadline)
         return self._parse_frame(rank, buf, seq, phase, slot)
@@ -659,7 +660,7 @@ class Mesh(MeshSetup):
         self.check()
         self.activity.sending(frame)
         tag = structured_tag(frame.seq, frame.phase, frame.slot, False)
-        what = f"phase {frame.phase} piece {frame.slot} of collective #{frame.seq}"
+        what = describe_slot(frame.seq, frame.phase, frame.slot)
         sending = "sending " + what
         ops: list[tuple[int, str, asyncio.Future]] = []
         headers: dict[int, Frame | CGXError] = {}
@@ -798,7 +799,7 @@ class Mesh(MeshSetup):
             copy_inline(buf, frame.inline)
             return
         tag = structured_tag(frame.seq, frame.phase, frame.slot, True)
-        what = f"payload of phase {frame.phase} piece {frame.slot} of collective #{frame.seq}"
+        what = "payload of " + describe_slot(frame.seq, frame.phase, frame.slot)
         await self.recv(rank, tag, buf, what, extra)
 
     async def send_control(self, rank: int, frame: Frame, reason: str = "") -> None:
