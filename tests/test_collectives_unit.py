@@ -606,3 +606,32 @@ def test_error_messages_name_a_point_to_point_message_as_such():
 
     assert describe_slot(0, PH_P2P, 99) == "point-to-point message 0 on tag 99"
     assert describe_slot(3, 1, 2) == "phase 1 piece 2 of collective #3"
+
+
+def test_outputs_must_be_writable_inputs_need_not_be():
+    """A read-only output is a ConfigError of the call's checks (they run before anything
+    moves and abort the peers' call); read-only inputs are fine."""
+    from cgx_ucx.collectives.allgather import prepare_allgather
+    from cgx_ucx.collectives.alltoall import prepare_alltoall
+    from cgx_ucx.collectives.broadcast import prepare_broadcast
+    from cgx_ucx.collectives.reduce_scatter import prepare_reduce_scatter
+
+    def ro(a):
+        a.flags.writeable = False
+        return a
+
+    x, out = ro(np.ones(8, np.float32)), np.zeros((2, 8), np.float32)
+    prepare_allgather(x, out, 2)
+    with pytest.raises(ConfigError, match="out is read-only"):
+        prepare_allgather(np.ones(8, np.float32), ro(out.copy()), 2)
+    prepare_reduce_scatter(ro(np.ones(16, np.float32)), np.zeros(8, np.float32), world_size=2)
+    with pytest.raises(ConfigError, match="read-only"):
+        prepare_reduce_scatter(np.ones(16, np.float32), ro(np.zeros(8, np.float32)), world_size=2)
+    prepare_alltoall(ro(np.ones(8, np.float32)), np.zeros(8, np.float32), 0, 2)
+    with pytest.raises(ConfigError, match="read-only"):
+        prepare_alltoall(np.ones(8, np.float32), ro(np.zeros(8, np.float32)), 0, 2)
+    prepare_broadcast(ro(np.ones(8, np.float32)), 0, 2, rank=0)  # the root only reads
+    with pytest.raises(ConfigError, match="read-only"):
+        prepare_broadcast(ro(np.ones(8, np.float32)), 0, 2, rank=1)
+    with pytest.raises(ConfigError, match="read-only"):
+        allreduce.prepare_allreduce(ro(np.ones(8, np.float32)), world_size=2)

@@ -157,6 +157,35 @@ def test_local_argument_error_aborts_the_others():
         assert kind == "CollectiveMismatchError" and elapsed < CFG.timeout / 2
 
 
+async def read_only_buffers(ctx):
+    """Rank 1 passes a read-only array where the call writes (adversarial review: it
+    failed mid-transfer with an untyped ValueError on rank 1 only, and rank 0 either
+    returned or kept a half-written buffer)."""
+    out = {}
+    async with await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG) as comm:
+        for what, n in (("allreduce", 1000), ("allreduce", 1 << 20), ("broadcast", 1 << 20)):
+            x = np.full(n, float(ctx.rank + 1), np.float32)
+            before = x.copy()
+            if ctx.rank == 1:
+                x.flags.writeable = False
+            call = comm.allreduce(x) if what == "allreduce" else comm.broadcast(x, root=0)
+            kind, _ = await outcome(call)
+            out[f"{what} {n}"] = (kind, x.tobytes() == before.tobytes())
+        y = np.ones(8, np.float32)
+        await comm.allreduce(y)  # still usable
+        out["after"] = y.tolist()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_a_read_only_output_is_refused_before_anything_moves():
+    r0, r1 = run_ranks(read_only_buffers, 2, timeout=50)
+    for key in ("allreduce 1000", "allreduce 1048576", "broadcast 1048576"):
+        assert r1[key] == ("ConfigError", True), (key, r1[key])
+        assert r0[key] == ("CollectiveMismatchError", True), (key, r0[key])
+    assert r0["after"] == r1["after"] == [2.0] * 8
+
+
 async def cancelled_while_waiting(ctx):
     async with await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG) as comm:
         x = np.ones(1000, np.float32)  # small: the one-round path, every op posted at once

@@ -42,7 +42,7 @@ def prepare_allgather(
             f"out must have shape {(world_size, *x.shape)} and dtype {x.dtype}, "
             f"got {tuple(dst.shape)} {dst.dtype}"
         )
-    rows = as_flat(dst, "out").reshape(world_size, -1)
+    rows = as_flat(dst, "out", writable=True).reshape(world_size, -1)
     template = make_template(Coll.ALLGATHER, flat, algorithm=Algo.DIRECT, reduce_op=int(op))
     return template, (flat, rows, dst)
 

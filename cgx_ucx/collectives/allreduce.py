@@ -80,6 +80,7 @@ def prepare_allreduce(
     topology: Any = None,
     hierarchy: Any = None,
     cache: dict | None = None,
+    in_place: bool = True,
 ) -> tuple[Frame, tuple[Any, AllreduceSpec]]:
     """Check an allreduce's arguments (ConfigError for the first bad one) and return its
     signature frame and what :func:`run_allreduce` needs: the flat view of ``x`` and the
@@ -88,8 +89,9 @@ def prepare_allreduce(
     ``cache``: a dict owned by the caller for one world size, topology and hierarchy
     (a communicator's), where the frame and spec of each call are kept by its arguments:
     a training loop repeats the same small calls, and building the plan and signature
-    again is a good part of such a call's cost."""
-    flat = as_flat(x)
+    again is a good part of such a call's cost. ``in_place``: the result is written into
+    ``x`` (a read-only ``x`` is refused); False for callers that only read it."""
+    flat = as_flat(x, writable=in_place)
     key = _cache_key(flat, op, layout, bits, bucket_size, algorithm, stochastic, seed, cache)
     if key is not None:
         hit = cache.get(key)  # type: ignore[union-attr]

@@ -61,7 +61,7 @@ def prepare_alltoall(
 ) -> tuple[Frame, tuple[Any, Any, list[int], list[int], list[int], list[int]]]:
     """The signature of an all-to-all of flat ``x`` into flat ``out`` and its blocks."""
     flat = as_flat(x)
-    dst = as_flat(out, "out")
+    dst = as_flat(out, "out", writable=True)
     if dst.dtype != flat.dtype:
         raise ConfigError(f"out must have dtype {flat.dtype}, got {dst.dtype}")
     sc = _counts(send_counts, flat.size, world_size, "send counts")

@@ -28,9 +28,12 @@ def byte_pieces(nbytes: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, nbytes)) for a in range(0, nbytes, step)]
 
 
-def prepare_broadcast(x: Any, root: int, world_size: int) -> tuple[Frame, tuple[Any, int]]:
-    """The signature of broadcasting ``x`` from ``root``; the flat view and the root."""
-    flat = as_flat(x)
+def prepare_broadcast(
+    x: Any, root: int, world_size: int, rank: int | None = None
+) -> tuple[Frame, tuple[Any, int]]:
+    """The signature of broadcasting ``x`` from ``root``; the flat view and the root
+    (``rank``: this rank; every rank but the root receives into ``x``)."""
+    flat = as_flat(x, writable=rank is not None and rank != root)
     if not isinstance(root, int) or not 0 <= root < world_size:
         raise ConfigError(f"root must be a rank in 0..{world_size - 1}, got {root!r}")
     return make_template(Coll.BROADCAST, flat, algorithm=Algo.DIRECT, digest=root), (flat, root)

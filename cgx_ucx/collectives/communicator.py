@@ -408,7 +408,9 @@ class Communicator:
     async def broadcast(self, x: Any, root: int = 0) -> Any:
         """Copy ``root``'s ``x`` into every rank's ``x`` (same shape and dtype everywhere)."""
         await self._collective(
-            "broadcast", lambda: prepare_broadcast(x, root, self.world_size), run_broadcast
+            "broadcast",
+            lambda: prepare_broadcast(x, root, self.world_size, self.rank),
+            run_broadcast,
         )
         return x
 

@@ -126,7 +126,7 @@ class PointToPoint:
 
     async def recv(self, x: Any, src: int, tag: int = 0) -> int:
         """Receive the next message of rank ``src`` on ``tag`` into ``x``; returns ``src``."""
-        flat = as_flat(x)
+        flat = as_flat(x, writable=True)
         src, tag = self._peer(src, "recv"), self._tag(tag, "recv")
         expected = self._template(flat)
         self._t.check()
@@ -156,7 +156,7 @@ class PointToPoint:
 
     async def recv_any(self, x: Any, tag: int = 0) -> int:
         """Receive the first message on ``tag`` from any peer into ``x``; returns its rank."""
-        flat = as_flat(x)
+        flat = as_flat(x, writable=True)
         tag = self._tag(tag, "recv from any source")
         expected = self._template(flat)
         self._t.check()

@@ -51,7 +51,7 @@ def prepare_reduce_scatter(
 ) -> tuple[Frame, tuple[Any, Any, AllreduceSpec]]:
     """Check a reduce-scatter of flat ``x`` (world_size * n values) into ``out`` (n)."""
     flat = as_flat(x)
-    dst = as_flat(out, "out")
+    dst = as_flat(out, "out", writable=True)
     n = dst.size
     if flat.size != world_size * n or dst.dtype != flat.dtype:
         raise ConfigError(
@@ -71,6 +71,7 @@ def prepare_reduce_scatter(
         algorithm="sra",
         stochastic=stochastic,
         seed=seed,
+        in_place=False,
     )
     for r, chunk in enumerate(spec.plan.chunks):
         if (chunk.start, chunk.stop) != (r * n, (r + 1) * n):  # pragma: no cover

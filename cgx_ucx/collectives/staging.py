@@ -20,11 +20,15 @@ from ..transport.shm import Descriptor, PeerSegments, Segment, SegmentPool
 __all__ = ["BufferPool", "as_flat", "byte_view", "synchronize"]
 
 
-def as_flat(x: Any, what: str = "x") -> Any:
-    """A 1-D view of a C-contiguous NumPy/CuPy array (no copy); ConfigError otherwise."""
+def as_flat(x: Any, what: str = "x", writable: bool = False) -> Any:
+    """A 1-D view of a C-contiguous NumPy/CuPy array (no copy); ConfigError otherwise.
+    ``writable``: the collective writes into it, so a read-only array is refused here,
+    before the call starts (else it failed mid-transfer, on one rank, untyped)."""
     if is_array(x):
         if not x.flags.c_contiguous:
             raise ConfigError(f"{what} must be C-contiguous")
+        if writable and not getattr(x.flags, "writeable", True):
+            raise ConfigError(f"{what} is read-only: the collective writes its result into it")
         return x.reshape(-1)
     raise ConfigError(
         f"{what} must be a NumPy or CuPy array, got {type(x).__name__} "
