@@ -275,3 +275,14 @@ def test_a_sum_of_a_dtype_the_engine_cannot_add_names_the_dtype() -> None:
     with pytest.raises(ConfigError, match=r"cannot SUM tensors of torch.uint16"):
         _local_kind(torch.zeros(2, dtype=torch.uint16), dist.ReduceOp.SUM)
     assert _local_kind(torch.zeros(2, dtype=torch.uint16), dist.ReduceOp.MAX) == "max"
+
+
+def test_gradient_sync_refuses_bad_arguments_before_touching_a_group() -> None:
+    """A list as compression_params raised TypeError, timeout=-1 was accepted
+    (adversarial review): ConfigErrors now, before any process group is looked up."""
+    from cgx_ucx.torch import GradientSync
+
+    model = torch.nn.Linear(4, 4)
+    for kwargs in ({"compression_params": [1, 2]}, {"timeout": -1}, {"timeout": "5"}):
+        with pytest.raises(ConfigError):
+            GradientSync(model, **kwargs)

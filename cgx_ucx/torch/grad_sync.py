@@ -128,6 +128,15 @@ class GradientSync:
         layer_min_size = check_positive_int(layer_min_size, "layer_min_size", 0)
         policy, policy_params, log_every = check_policy_args(policy, policy_params, log_every)
 
+        if compression_params is not None and not isinstance(compression_params, Mapping):
+            raise ConfigError(
+                "compression_params must be a mapping of CompressionConfig fields, got "
+                f"{compression_params!r}"
+            )
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
+        ):
+            raise ConfigError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         # -- tuned by the user
         self.compression_params = dict(compression_params or {})
         self.layer_min_size = layer_min_size
