@@ -190,9 +190,9 @@ class SyncCommunicator:
         return self._submit(self._comm.broadcast(x, root))
 
     def allgather(
-        self, x: Any, out: Any = None, reduce_op: str | None = None
+        self, x: Any, out: Any = None, reduce_op: str | None = None, root: int | None = None
     ) -> concurrent.futures.Future:
-        return self._submit(self._comm.allgather(x, out, reduce_op))
+        return self._submit(self._comm.allgather(x, out, reduce_op, root))
 
     def barrier(self) -> concurrent.futures.Future:
         return self._submit(self._comm.barrier())

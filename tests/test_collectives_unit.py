@@ -635,3 +635,17 @@ def test_outputs_must_be_writable_inputs_need_not_be():
         prepare_broadcast(ro(np.ones(8, np.float32)), 0, 2, rank=1)
     with pytest.raises(ConfigError, match="read-only"):
         allreduce.prepare_allreduce(ro(np.ones(8, np.float32)), world_size=2)
+
+
+def test_a_gather_signs_its_root():
+    from cgx_ucx.collectives.allgather import prepare_allgather
+    from cgx_ucx.collectives.call import describe
+
+    x = np.ones(4, np.float32)
+    a, _ = prepare_allgather(x, None, 3, root=0)
+    b, _ = prepare_allgather(x, None, 3, root=2)
+    c, _ = prepare_allgather(x, None, 3)
+    assert len({a.signature, b.signature, c.signature}) == 3
+    assert "root=2" in describe(b) and "root" not in describe(c)
+    with pytest.raises(ConfigError, match="root"):
+        prepare_allgather(x, None, 3, root=3)

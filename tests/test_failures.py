@@ -89,6 +89,8 @@ MISMATCHES = {
     "collective": lambda rank: dict(collective="broadcast" if rank == 1 else "allreduce"),
     # The torch backend's MAX/MIN/...: an allgather signed with the local reduction.
     "gather-op": lambda rank: dict(collective="allgather", op="min" if rank == 1 else "max"),
+    # The torch backend's gather: an allgather signed with the root that keeps it.
+    "gather-root": lambda rank: dict(collective="allgather", op=None, root=1 if rank == 1 else 0),
 }
 
 
@@ -108,7 +110,7 @@ async def mismatched(ctx, kinds):
                 if args["collective"] == "broadcast":
                     await comm.broadcast(x)
                 elif args["collective"] == "allgather":
-                    await comm.allgather(x, out_rows, reduce_op=args["op"])
+                    await comm.allgather(x, out_rows, reduce_op=args["op"], root=args.get("root"))
                 else:
                     bits = None if args["layout"] is not None else args["bits"]
                     await comm.allreduce(

@@ -20,12 +20,17 @@ __all__ = ["prepare_allgather", "run_allgather"]
 
 
 def prepare_allgather(
-    x: Any, out: Any, world_size: int, reduce_op: str | None = None
+    x: Any, out: Any, world_size: int, reduce_op: str | None = None, root: int | None = None
 ) -> tuple[Frame, tuple[Any, Any, Any]]:
     """The signature of gathering ``x``; the flat input, the output's rows and the output
     (``out``, or a new array of shape (world_size, *x.shape) when None). ``reduce_op``:
-    the local reduction the gather feeds ("max", "min", "prod", "band", "bor", "bxor"),
-    signed so that ranks that disagree on it raise a mismatch."""
+    the local reduction the gather feeds ("max", "min", "prod", "band", "bor", "bxor");
+    ``root``: the one rank that keeps the result (torch's gather). Both are signed, so
+    ranks that disagree on them raise a mismatch."""
+    if root is not None and (
+        isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < world_size
+    ):
+        raise ConfigError(f"root must be a rank in 0..{world_size - 1}, got {root!r}")
     op = Op.NONE
     if reduce_op is not None:
         op = Op.__members__.get(str(reduce_op).upper(), Op.NONE)
@@ -43,7 +48,10 @@ def prepare_allgather(
             f"got {tuple(dst.shape)} {dst.dtype}"
         )
     rows = as_flat(dst, "out", writable=True).reshape(world_size, -1)
-    template = make_template(Coll.ALLGATHER, flat, algorithm=Algo.DIRECT, reduce_op=int(op))
+    digest = 0 if root is None else root + 1
+    template = make_template(
+        Coll.ALLGATHER, flat, algorithm=Algo.DIRECT, reduce_op=int(op), digest=digest
+    )
     return template, (flat, rows, dst)
 
 

@@ -91,7 +91,9 @@ def describe(frame: Frame) -> str:
             parts.append("stochastic")
     elif frame.collective == Coll.BROADCAST:
         parts.append(f"root={frame.digest}")
-    elif frame.collective == Coll.ALLGATHER and frame.reduce_op:
+    elif frame.collective == Coll.ALLGATHER and frame.digest:
+        parts.append(f"root={frame.digest - 1}")
+    if frame.collective == Coll.ALLGATHER and frame.reduce_op:
         op = (
             Op(frame.reduce_op).name.lower()
             if frame.reduce_op in Op._value2member_map_

@@ -414,13 +414,16 @@ class Communicator:
         )
         return x
 
-    async def allgather(self, x: Any, out: Any = None, reduce_op: str | None = None) -> Any:
+    async def allgather(
+        self, x: Any, out: Any = None, reduce_op: str | None = None, root: int | None = None
+    ) -> Any:
         """Every rank's ``x`` into ``out[rank]`` on every rank; ``out`` shape (world, *x.shape).
-        ``reduce_op``: the local reduction the caller applies to ``out`` (see
-        :func:`.allgather.prepare_allgather`); ranks that disagree on it raise a mismatch."""
+        ``reduce_op``: the local reduction the caller applies to ``out``; ``root``: the
+        rank that keeps the result (see :func:`.allgather.prepare_allgather`); ranks that
+        disagree on either raise a mismatch."""
         return await self._collective(
             "allgather",
-            lambda: prepare_allgather(x, out, self.world_size, reduce_op),
+            lambda: prepare_allgather(x, out, self.world_size, reduce_op, root),
             run_allgather,
         )
 

@@ -448,7 +448,8 @@ def gather(
                     f"the input {t.numel()} of {t.dtype}"
                 )
     gathered = torch.empty((g.size, t.numel()), dtype=t.dtype, device=t.device)
-    cf = g.comm.allgather(as_array(t.contiguous().reshape(-1)), out=as_array(gathered))
+    flat = as_array(t.contiguous().reshape(-1))
+    cf = g.comm.allgather(flat, out=as_array(gathered), root=root)  # ranks agree on the root
     keep = outs if g.rank == root else []
 
     def finish(_: Any) -> None:
