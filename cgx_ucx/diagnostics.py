@@ -131,8 +131,9 @@ def _gpu() -> dict[str, Any]:
 
 
 def _environment() -> dict[str, str]:
+    """The variables that matter, secrets masked (the output is meant for bug reports)."""
     return {
-        k: v
+        k: ("(set, not shown)" if "SECRET" in k else v)
         for k, v in sorted(os.environ.items())
         if k.startswith(("CGX_", "UCX_")) or k in RELATED_ENV
     }

@@ -112,7 +112,11 @@ class Engine:
         fut = self.submit(coro)
         try:
             return fut.result(timeout)
-        except concurrent.futures.TimeoutError:
+        except concurrent.futures.TimeoutError as exc:
+            if fut.done():  # the coroutine itself raised TimeoutError (Python >= 3.11)
+                if isinstance(exc, CGXTimeoutError):
+                    raise
+                raise CGXTimeoutError(f"engine call timed out inside: {exc}") from exc
             fut.cancel()
             raise CGXTimeoutError(f"engine call did not finish within {timeout:g} s") from None
 

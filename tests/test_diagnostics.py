@@ -65,3 +65,12 @@ def test_runs_from_a_shell():
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("cgx_ucx diagnostics")
+
+
+def test_the_secret_is_never_printed(monkeypatch):
+    """The report is meant for bug reports: CGX_UCX_SECRET is masked (review)."""
+    from cgx_ucx import diagnostics
+
+    monkeypatch.setenv("CGX_UCX_SECRET", "hunter2")
+    env = diagnostics._environment()
+    assert env["CGX_UCX_SECRET"] != "hunter2" and "hunter2" not in repr(env)

@@ -63,3 +63,22 @@ def test_run_timeout_and_errors_and_restart():
         assert fresh is not engine and fresh.running
     finally:
         fresh.release()
+
+
+def test_a_timeout_raised_inside_the_coroutine_is_typed():
+    """A TimeoutError escaping the coroutine was taken for the wait's own timeout and
+    formatted with timeout=None (a TypeError; review). It is a CGXTimeoutError now."""
+    import asyncio
+
+    from cgx_ucx.engine import Engine
+    from cgx_ucx.errors import CGXTimeoutError
+
+    async def times_out() -> None:
+        await asyncio.wait_for(asyncio.sleep(1), 0.001)
+
+    engine = Engine.get(retain=True)
+    try:
+        with pytest.raises(CGXTimeoutError, match="timed out inside"):
+            engine.run(times_out())
+    finally:
+        engine.release()
