@@ -30,6 +30,7 @@ __all__ = [
     "as_uint8_buffer",
     "check_bits",
     "check_positive_int",
+    "check_seconds",
     "check_seed",
     "is_array",
     "is_bfloat16",
@@ -180,6 +181,16 @@ def check_seed(seed: Any, what: str = "seed") -> int:
     if not 0 <= seed < SEED_LIMIT:
         raise ConfigError(f"{what} must be an integer in [0, 2**64), got {seed}")
     return seed
+
+
+def check_seconds(value: Any, what: str = "timeout") -> float:
+    """``value`` as a number of seconds > 0 (int or float, not bool); ConfigError
+    otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{what} must be a number of seconds > 0, got {value!r}")
+    if not value > 0:
+        raise ConfigError(f"{what} must be > 0 seconds, got {value!r}")
+    return float(value)
 
 
 def check_positive_int(

@@ -38,6 +38,7 @@ from .arrays import (
     VALID_BITS,
     check_bits,
     check_positive_int,
+    check_seconds,
     check_seed,
 )
 from .errors import ConfigError
@@ -150,10 +151,7 @@ class CommConfig:
     node_id: str | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)):
-            raise ConfigError(f"timeout must be a number of seconds > 0, got {self.timeout!r}")
-        if not self.timeout > 0:
-            raise ConfigError(f"timeout must be > 0 seconds, got {self.timeout!r}")
+        check_seconds(self.timeout)
         if not self.connect_timeout > 0:
             raise ConfigError(f"connect_timeout must be > 0 seconds, got {self.connect_timeout!r}")
         if self.progress_mode not in ("blocking", "polling", "thread", "thread-polling"):

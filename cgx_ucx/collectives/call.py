@@ -74,12 +74,12 @@ def describe(frame: Frame) -> str:
     parts = [f"{coll}(numel={frame.numel}"]
     dt = dtype_from_code(frame.dtype)
     parts.append(f"dtype={dt if dt is not None else frame.dtype}")
+    op = (
+        Op(frame.reduce_op).name.lower()
+        if frame.reduce_op in Op._value2member_map_
+        else frame.reduce_op
+    )
     if frame.collective == Coll.ALLREDUCE:
-        op = (
-            Op(frame.reduce_op).name.lower()
-            if frame.reduce_op in Op._value2member_map_
-            else frame.reduce_op
-        )
         algo = (
             Algo(frame.algorithm).name.lower()
             if frame.algorithm in Algo._value2member_map_
@@ -94,11 +94,6 @@ def describe(frame: Frame) -> str:
     elif frame.collective == Coll.ALLGATHER and frame.digest:
         parts.append(f"root={frame.digest - 1}")
     if frame.collective == Coll.ALLGATHER and frame.reduce_op:
-        op = (
-            Op(frame.reduce_op).name.lower()
-            if frame.reduce_op in Op._value2member_map_
-            else frame.reduce_op
-        )
         parts.append(f"reduced by {op}")
     return ", ".join(parts) + ")"
 

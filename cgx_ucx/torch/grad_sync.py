@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..arrays import check_positive_int
+from ..arrays import check_positive_int, check_seconds
 from ..compression.policies import LayerStats, Policy
 from ..config import CompressionConfig, resolve_comm, resolve_compression
 from ..errors import CGXTimeoutError, ConfigError
@@ -133,10 +133,8 @@ class GradientSync:
                 "compression_params must be a mapping of CompressionConfig fields, got "
                 f"{compression_params!r}"
             )
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
-        ):
-            raise ConfigError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        if timeout is not None:
+            check_seconds(timeout)
         # -- tuned by the user
         self.compression_params = dict(compression_params or {})
         self.layer_min_size = layer_min_size
