@@ -95,7 +95,9 @@ def test_refusals() -> None:
 
 
 def test_bad_fsdp_bits_exit_2() -> None:
-    assert main(["--fsdp", "--fsdp-bits", "33"]) == 2
+    with pytest.raises(SystemExit) as exc:
+        main(["--fsdp", "--fsdp-bits", "33"])
+    assert exc.value.code == 2
 
 
 def _namespaces() -> set[str]:

@@ -75,8 +75,10 @@ def test_refuses_what_did_not_cross_the_link() -> None:
 
 
 def test_bad_arguments_exit_2() -> None:
-    assert main(["--ranks-per-node", "1"]) == 2
-    assert main(["--bits", "5", "33"]) == 2
+    for argv in (["--ranks-per-node", "1"], ["--bits", "5", "33"], ["--budget", "-1"]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2
 
 
 def _namespaces() -> set[str]:

@@ -43,7 +43,17 @@ from typing import Any
 
 import numpy as np
 
-from .report import HelpFormatter, Progress, add_output_args, format_table, results_dir, write_json
+from .report import (
+    HelpFormatter,
+    Progress,
+    add_output_args,
+    bits_arg,
+    count_arg,
+    format_table,
+    positive_number,
+    results_dir,
+    write_json,
+)
 
 MiB = 1 << 20
 #: Sends kept in flight by the point-to-point test (ucx_perftest's tag_bw also keeps a
@@ -240,19 +250,27 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m cgx_ucx.bench allreduce", description=__doc__, formatter_class=HelpFormatter
     )
-    ap.add_argument("--world", type=int, nargs="+", default=[2, 4], help="world sizes")
-    ap.add_argument("--sizes", type=float, nargs="+", default=[1, 4, 16, 64, 256], help="MiB")
-    ap.add_argument("--bits", type=int, nargs="+", default=[2, 4, 8, 32], help="cgx bit widths")
-    ap.add_argument("--iters", type=int, default=None, help="timed calls (unset: ~0.5-1 GB)")
+    ap.add_argument("--world", type=count_arg(2), nargs="+", default=[2, 4], help="world sizes")
+    ap.add_argument(
+        "--sizes", type=positive_number, nargs="+", default=[1, 4, 16, 64, 256], help="MiB"
+    )
+    ap.add_argument(
+        "--bits", type=bits_arg, nargs="+", default=[2, 4, 8, 32], help="cgx bit widths"
+    )
+    ap.add_argument(
+        "--iters", type=count_arg(1), default=None, help="timed calls (unset: ~0.5-1 GB)"
+    )
     ap.add_argument("--algorithm", default="auto", choices=["auto", "sra", "ring"], help="cgx")
-    ap.add_argument("--p2p-sizes", type=float, nargs="+", default=[1, 16, 64], help="MiB")
+    ap.add_argument("--p2p-sizes", type=positive_number, nargs="+", default=[1, 16, 64], help="MiB")
     ap.add_argument("--no-p2p", action="store_true", help="skip the point-to-point test")
     ap.add_argument(
         "--cma",
         action="store_true",
         help="data endpoints without error handling (CMA zero-copy; a dying peer can abort)",
     )
-    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per world size")
+    ap.add_argument(
+        "--timeout", type=positive_number, default=1800.0, help="seconds per world size"
+    )
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     add_output_args(ap)
     args = ap.parse_args(argv)

@@ -46,7 +46,10 @@ from .report import (
     HelpFormatter,
     Progress,
     add_output_args,
+    bits_arg,
+    count_arg,
     format_table,
+    positive_number,
     results_dir,
     write_json,
 )
@@ -160,11 +163,15 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=HelpFormatter,
     )
-    ap.add_argument("--sizes", type=float, nargs="+", default=[1, 16, 64], help="MiB of float32")
-    ap.add_argument("--bits", type=int, nargs="+", default=[2, 4, 8], help="bit widths")
-    ap.add_argument("--bucket", type=int, default=1024, help="bucket size (values)")
-    ap.add_argument("--repeat", type=int, default=10, help="timed repeats (median)")
-    ap.add_argument("--threads", type=int, default=None, help="codec threads (unset: all cores)")
+    ap.add_argument(
+        "--sizes", type=positive_number, nargs="+", default=[1, 16, 64], help="MiB of float32"
+    )
+    ap.add_argument("--bits", type=bits_arg, nargs="+", default=[2, 4, 8], help="bit widths")
+    ap.add_argument("--bucket", type=count_arg(1), default=1024, help="bucket size (values)")
+    ap.add_argument("--repeat", type=count_arg(1), default=10, help="timed repeats (median)")
+    ap.add_argument(
+        "--threads", type=count_arg(1), default=None, help="codec threads (unset: all cores)"
+    )
     ap.add_argument("--no-reference", action="store_true", help="skip the NumPy reference")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     add_output_args(ap)

@@ -27,7 +27,15 @@ from typing import Any
 
 import numpy as np
 
-from .report import HelpFormatter, add_output_args, format_table, results_dir, write_json
+from .report import (
+    HelpFormatter,
+    add_output_args,
+    count_arg,
+    format_table,
+    positive_number,
+    results_dir,
+    write_json,
+)
 
 __all__ = ["main"]
 
@@ -205,12 +213,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0],
         formatter_class=HelpFormatter,
     )
-    ap.add_argument("--world", type=int, default=2, help="ranks")
-    ap.add_argument("--hogs", type=int, default=8, help="busy-looping processes beside the job")
-    ap.add_argument("--steps", type=int, default=150, help="training steps per run")
-    ap.add_argument("--hidden", type=int, default=512, help="MLP width")
-    ap.add_argument("--repeats", type=int, default=2, help="runs per method and condition")
-    ap.add_argument("--timeout", type=float, default=1200.0, help="seconds for everything")
+    ap.add_argument("--world", type=count_arg(2), default=2, help="ranks")
+    ap.add_argument(
+        "--hogs", type=count_arg(0), default=8, help="busy-looping processes beside the job"
+    )
+    ap.add_argument(
+        "--steps", type=count_arg(WARMUP_STEPS + 1), default=150, help="training steps per run"
+    )
+    ap.add_argument("--hidden", type=count_arg(1), default=512, help="MLP width")
+    ap.add_argument("--repeats", type=count_arg(1), default=2, help="runs per method and condition")
+    ap.add_argument(
+        "--timeout", type=positive_number, default=1200.0, help="seconds for everything"
+    )
     add_output_args(ap)
     args = ap.parse_args(argv)
     load_before = os.getloadavg()

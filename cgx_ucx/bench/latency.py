@@ -39,7 +39,16 @@ from typing import Any
 
 import numpy as np
 
-from .report import format_table, write_json
+from .report import (
+    HelpFormatter,
+    add_output_args,
+    bits_arg,
+    count_arg,
+    format_table,
+    positive_number,
+    results_dir,
+    write_json,
+)
 
 KiB = 1 << 10
 
@@ -384,15 +393,23 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m cgx_ucx.bench latency",
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
-    ap.add_argument("--world", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--sizes-kib", type=float, nargs="+", default=[4, 64, 256, 1024, 4096])
-    ap.add_argument("--bits", type=int, nargs="+", default=[32, 4])
-    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument(
+        "--world", type=count_arg(2), nargs="+", default=[2, 4], help="world sizes (ranks)"
+    )
+    ap.add_argument(
+        "--sizes-kib",
+        type=positive_number,
+        nargs="+",
+        default=[4, 64, 256, 1024, 4096],
+        help="buffer sizes in KiB (float32)",
+    )
+    ap.add_argument("--bits", type=bits_arg, nargs="+", default=[32, 4], help="cgx bit widths")
+    ap.add_argument("--iters", type=count_arg(1), default=200, help="timed calls per row")
     ap.add_argument("--cold", action="store_true", help="time the first compressed call")
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per world size")
-    ap.add_argument("--out-dir", default=None, help="directory for latency.json")
+    ap.add_argument("--timeout", type=positive_number, default=600.0, help="seconds per world size")
+    add_output_args(ap)
     args = ap.parse_args(argv)
     opts = {"sizes_kib": args.sizes_kib, "bits": args.bits, "iters": args.iters, "cold": args.cold}
     load_before = os.getloadavg()
@@ -433,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
             "load_after": load_after,
             "iters": args.iters,
         },
-        args.out_dir,
+        results_dir(args),
     )
     print(f"wrote {path}")
     return 0

@@ -69,7 +69,16 @@ from ..compression import encoded_nbytes
 from ..errors import CGXError
 from .link_worker import PROGRESS
 from .netns import LinkEmulator, TcpMeasurement, format_rate, missing_prerequisites, parse_rate
-from .report import add_output_args, format_table, results_dir, write_json
+from .report import (
+    add_output_args,
+    bits_arg,
+    count_arg,
+    format_table,
+    nonnegative_number,
+    positive_number,
+    results_dir,
+    write_json,
+)
 
 __all__ = ["main"]
 
@@ -817,46 +826,55 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--rates", nargs="+", type=rate_arg, default=[10**9, 10 * 10**9],
                    help="link rates per direction, e.g. 1gbit 10gbit (default)")  # fmt: skip
-    p.add_argument("--world", nargs="+", type=int, default=[2, 4], help="ranks (default 2 4)")
+    p.add_argument(
+        "--world", nargs="+", type=count_arg(2), default=[2, 4], help="ranks (default 2 4)"
+    )
     p.add_argument("--sizes", nargs="+", type=parse_size,
                    default=[s * MIB for s in (1, 4, 16, 64, 256)],
                    help="allreduce sizes, MiB or with a unit (default 1 4 16 64 256)")  # fmt: skip
-    p.add_argument("--bits", nargs="+", type=int, default=[2, 4, 8, 32])
-    p.add_argument("--bucket-size", type=int, default=1024)
-    p.add_argument("--min-iters", type=int, default=3, help="timed iterations at least")
-    p.add_argument("--max-iters", type=int, default=10, help="timed iterations at most")
-    p.add_argument("--budget", type=float, default=2.0, help="seconds per (size, method)")
+    p.add_argument("--bits", nargs="+", type=bits_arg, default=[2, 4, 8, 32])
+    p.add_argument("--bucket-size", type=count_arg(1), default=1024)
+    p.add_argument("--min-iters", type=count_arg(1), default=3, help="timed iterations at least")
+    p.add_argument("--max-iters", type=count_arg(1), default=10, help="timed iterations at most")
+    p.add_argument(
+        "--budget", type=nonnegative_number, default=2.0, help="seconds per (size, method)"
+    )
     p.add_argument("--train", action="store_true", help="also DDP training, gloo vs cgx")
-    p.add_argument("--train-bits", type=int, default=4)
+    p.add_argument("--train-bits", type=bits_arg, default=4)
     p.add_argument(
         "--fsdp", action="store_true", help="also FSDP2 training, gloo vs cgx at --fsdp-bits"
     )
     p.add_argument(
         "--fsdp-bits",
         nargs="+",
-        type=int,
+        type=bits_arg,
         default=[4, 32],
         help="bits of cgx's gradient reduce-scatter under FSDP2 (default 4 32)",
     )
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--batch", type=int, default=8, help="per rank (see the module doc)")
-    p.add_argument("--hidden", type=int, default=3072, help="MLP width (3072: ~22 M params)")
-    p.add_argument("--probe-seconds", type=float, default=1.0)
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds any single wait may take")
+    add_training_args(p)
     p.add_argument("--plot-size", type=parse_size, default=64 * MIB)
     add_output_args(p)
     p.add_argument("--verbose", action="store_true", help="show the ranks' stderr")
     return p
 
 
+def add_training_args(p: argparse.ArgumentParser) -> None:
+    """The training run's options and the timeouts (shared with ``bench nodes``)."""
+    p.add_argument("--steps", type=count_arg(1), default=20, help="timed training steps")
+    p.add_argument("--warmup", type=count_arg(0), default=3, help="untimed steps first")
+    p.add_argument("--batch", type=count_arg(1), default=8, help="per rank (see bench link's doc)")
+    p.add_argument(
+        "--hidden", type=count_arg(1), default=3072, help="MLP width (3072: ~22 M params)"
+    )
+    p.add_argument("--probe-seconds", type=positive_number, default=1.0)
+    p.add_argument(
+        "--timeout", type=positive_number, default=300.0, help="seconds any single wait may take"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; 0 on success, 2 without root/iproute2, 3 when a check refused."""
     args = _parser().parse_args(argv)
-    for bits in [*args.bits, args.train_bits, *args.fsdp_bits]:
-        if not (1 <= bits <= 8 or bits == 32):
-            print(f"bits must be 1..8 or 32, got {bits}", file=sys.stderr)
-            return 2
     if args.min_iters < 1 or args.max_iters < args.min_iters:
         print("need 1 <= --min-iters <= --max-iters", file=sys.stderr)
         return 2

@@ -73,6 +73,7 @@ from .link import (
     MIB,
     RATE_TOLERANCE,
     Progress,
+    add_training_args,
     median,
     parse_size,
     rate_arg,
@@ -83,7 +84,15 @@ from .link import (
 )
 from .link_worker import PROGRESS
 from .netns import LinkEmulator, TcpMeasurement, format_rate, missing_prerequisites
-from .report import add_output_args, format_table, results_dir, write_json
+from .report import (
+    add_output_args,
+    bits_arg,
+    count_arg,
+    format_table,
+    nonnegative_number,
+    results_dir,
+    write_json,
+)
 
 __all__ = ["formula_bytes_per_node", "main"]
 
@@ -538,34 +547,28 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m cgx_ucx.bench nodes",
         description="gloo vs flat vs hierarchical cgx_ucx on emulated nodes (netns + tc; root)",
     )
-    p.add_argument("--nodes", type=int, default=2, help="emulated nodes (hosts)")
-    p.add_argument("--ranks-per-node", type=int, default=2, help="ranks in each node")
+    p.add_argument("--nodes", type=count_arg(2), default=2, help="emulated nodes (hosts)")
+    p.add_argument("--ranks-per-node", type=count_arg(2), default=2, help="ranks in each node")
     p.add_argument("--rates", nargs="+", type=rate_arg, default=[10**9, 10 * 10**9],
                    help="rates between nodes, per direction (default 1gbit 10gbit)")  # fmt: skip
     p.add_argument("--sizes", nargs="+", type=parse_size, default=[s * MIB for s in (16, 64, 256)],
                    help="allreduce sizes, MiB or with a unit (default 16 64 256)")  # fmt: skip
-    p.add_argument("--bits", nargs="+", type=int, default=[32, 4])
-    p.add_argument("--bucket-size", type=int, default=1024)
-    p.add_argument("--min-iters", type=int, default=3, help="timed iterations at least")
-    p.add_argument("--max-iters", type=int, default=10, help="timed iterations at most")
-    p.add_argument("--budget", type=float, default=2.0, help="seconds per (size, method)")
+    p.add_argument("--bits", nargs="+", type=bits_arg, default=[32, 4])
+    p.add_argument("--bucket-size", type=count_arg(1), default=1024)
+    p.add_argument("--min-iters", type=count_arg(1), default=3, help="timed iterations at least")
+    p.add_argument("--max-iters", type=count_arg(1), default=10, help="timed iterations at most")
+    p.add_argument(
+        "--budget", type=nonnegative_number, default=2.0, help="seconds per (size, method)"
+    )
     p.add_argument("--no-train", dest="train", action="store_false", help="allreduce only")
-    p.add_argument("--train-bits", type=int, default=4)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--batch", type=int, default=8, help="per rank (see bench link's doc)")
-    p.add_argument("--hidden", type=int, default=3072, help="MLP width (3072: ~22 M params)")
-    p.add_argument("--probe-seconds", type=float, default=1.0)
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds any single wait may take")
+    p.add_argument("--train-bits", type=bits_arg, default=4)
+    add_training_args(p)
     add_output_args(p)
     p.add_argument("--verbose", action="store_true", help="show the ranks' stderr")
     return p
 
 
 def _check_args(args: argparse.Namespace) -> str | None:
-    for bits in [*args.bits, args.train_bits]:
-        if not (1 <= bits <= 8 or bits == 32):
-            return f"bits must be 1..8 or 32, got {bits}"
     if args.min_iters < 1 or args.max_iters < args.min_iters:
         return "need 1 <= --min-iters <= --max-iters"
     if args.nodes < 2 or args.ranks_per_node < 2:

@@ -24,9 +24,13 @@ __all__ = [
     "HelpFormatter",
     "Progress",
     "add_output_args",
+    "bits_arg",
+    "count_arg",
     "default_results_dir",
     "format_table",
     "machine_info",
+    "nonnegative_number",
+    "positive_number",
     "progress",
     "results_dir",
     "tracked_results_dir",
@@ -71,6 +75,53 @@ class _DeprecatedOut(argparse.Action):
     def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
         print(f"note: {option} is deprecated, use --out-dir", file=sys.stderr)
         setattr(namespace, self.dest, values)
+
+
+def count_arg(minimum: int = 1) -> Any:
+    """An argparse ``type``: an integer of at least ``minimum`` (a clear usage error
+    otherwise, never a silent substitute or a crash later in the run)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    parse.__name__ = "count"  # argparse names the type in its messages
+    return parse
+
+
+def positive_number(text: str) -> float:
+    """An argparse ``type``: a finite number greater than 0 (seconds, sizes, rates)."""
+    value = nonnegative_number(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be a number greater than 0, got {text}")
+    return value
+
+
+def nonnegative_number(text: str) -> float:
+    """An argparse ``type``: a finite number of at least 0 (a time budget)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (0 <= value < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number of at least 0, got {text}")
+    return value
+
+
+def bits_arg(text: str) -> int:
+    """An argparse ``type``: a bit width the codec has, 1..8 or 32 (uncompressed)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bits must be an integer, got {text!r}") from None
+    if not (1 <= value <= 8 or value == 32):
+        raise argparse.ArgumentTypeError(f"bits must be 1..8 or 32 (uncompressed), got {value}")
+    return value
 
 
 def add_output_args(parser: argparse.ArgumentParser) -> None:

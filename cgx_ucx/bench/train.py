@@ -52,7 +52,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .report import HelpFormatter, Progress, add_output_args, format_table, results_dir, write_json
+from .report import (
+    HelpFormatter,
+    Progress,
+    add_output_args,
+    count_arg,
+    format_table,
+    positive_number,
+    results_dir,
+    write_json,
+)
 
 __all__ = ["main"]
 
@@ -79,26 +88,35 @@ def _parser() -> argparse.ArgumentParser:
         description=__doc__.splitlines()[0],
         formatter_class=HelpFormatter,
     )
-    p.add_argument("--world", type=int, default=2, help="ranks")
+    p.add_argument("--world", type=count_arg(1), default=2, help="ranks")
     p.add_argument(
         "--policies",
         default=",".join(POLICY_NAMES),
         help=f"comma-separated subset of {','.join(POLICY_NAMES)}",
     )
-    p.add_argument("--epochs", type=int, default=15, help="epochs per run")
-    p.add_argument("--batch-size", type=int, default=32, help="per rank")
-    p.add_argument("--lr", type=float, default=0.1, help="peak of the one-cycle schedule")
-    p.add_argument("--hidden", type=int, default=512, help="MLP width H")
-    p.add_argument("--seed", type=int, default=0, help="model, data split and order")
+    p.add_argument("--epochs", type=count_arg(1), default=15, help="epochs per run")
+    p.add_argument("--batch-size", type=count_arg(1), default=32, help="per rank")
+    p.add_argument("--lr", type=positive_number, default=0.1, help="peak of the one-cycle schedule")
+    p.add_argument("--hidden", type=count_arg(1), default=512, help="MLP width H")
+    p.add_argument("--seed", type=count_arg(0), default=0, help="model, data split and order")
     p.add_argument(
-        "--repeats", type=int, default=3, help="runs per policy, in rotating order (median)"
+        "--repeats",
+        type=count_arg(1),
+        default=3,
+        help="runs per policy, in rotating order (median)",
     )
-    p.add_argument("--warmup", type=int, default=20, help="kmeans/budget: first decision")
-    p.add_argument("--interval", type=int, default=100, help="kmeans/budget: decision period")
-    p.add_argument("--window", type=int, default=10, help="kmeans/budget: statistics steps")
-    p.add_argument("--check-every", type=int, default=50, help="auto: drift check period")
+    p.add_argument("--warmup", type=count_arg(0), default=20, help="kmeans/budget: first decision")
+    p.add_argument(
+        "--interval", type=count_arg(1), default=100, help="kmeans/budget: decision period"
+    )
+    p.add_argument(
+        "--window", type=count_arg(1), default=10, help="kmeans/budget: statistics steps"
+    )
+    p.add_argument("--check-every", type=count_arg(1), default=50, help="auto: drift check period")
     p.add_argument("--link-rate", default=None, help="emulated link rate, e.g. 1gbit (root)")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole run")
+    p.add_argument(
+        "--timeout", type=positive_number, default=900.0, help="seconds for the whole run"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_output_args(p)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
