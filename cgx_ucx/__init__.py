@@ -9,7 +9,6 @@ import importlib.util as _importlib_util
 
 from .collectives import CommStats, Communicator, connect
 from .config import CommConfig, CompressionConfig, resolve_comm, resolve_compression
-from .diagnostics import describe
 from .engine import Engine, SyncCommunicator, connect_sync
 from .errors import (
     CGXError,
@@ -26,6 +25,17 @@ from .errors import (
 from .layout import LayerSpec, Layout
 
 __version__ = "0.1.0"
+
+
+def describe(file=None, *, quiet=False):  # type: ignore[no-untyped-def]
+    """Print and return what a bug report needs (see :func:`cgx_ucx.diagnostics.describe`).
+
+    Imported on first use: ``python -m cgx_ucx.diagnostics`` then runs the module fresh
+    (an eager import here made runpy warn that it was already imported)."""
+    from .diagnostics import describe as _describe
+
+    return _describe(file, quiet=quiet)
+
 
 __all__ = [
     "CGXError",

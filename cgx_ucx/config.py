@@ -25,6 +25,7 @@ communicator logs at INFO with what it resolved.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Mapping
@@ -281,16 +282,44 @@ def resolve_comm(
     return _merge(CommConfig, base or CommConfig(), env_values, kwargs)
 
 
+def environment_problems(env: Mapping[str, str] | None = None) -> list[str]:
+    """Every bad CGX_* value of this module's variables, one message each (naming the
+    variable and what it accepts); empty when all are good."""
+    env = os.environ if env is None else env
+    checks: list[Any] = [lambda: resolve_comm(env=env), lambda: spin_mode(env)]
+    checks += [
+        functools.partial(resolve_compression, env={name: env[name]})
+        for name in _COMPRESSION_ENV
+        if name in env
+    ]
+    problems = []
+    for check in checks:
+        try:
+            check()
+        except ConfigError as exc:
+            problems.append(str(exc))
+    if not problems:
+        try:  # the variables together (each alone was good)
+            resolve_compression(env=env)
+        except ConfigError as exc:
+            problems.append(str(exc))
+    return problems
+
+
 def validate_environment(env: Mapping[str, str] | None = None) -> CompressionConfig:
     """Check every CGX_* variable now and return the compression they select.
 
     The backend calls this when a group is made, so that a bad value fails at
     ``init_process_group`` (naming the variable) rather than at the first all_reduce;
-    the variables are still read again when each collective starts.
+    the variables are still read again when each collective starts. Several bad
+    values are all named in one ConfigError.
     """
     env = os.environ if env is None else env
-    resolve_comm(env=env)
-    spin_mode(env)
+    problems = environment_problems(env)
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(f"{len(problems)} bad variables: " + "; ".join(problems))
     return resolve_compression(env=env)
 
 

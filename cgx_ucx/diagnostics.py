@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from .config import validate_environment
+from .config import environment_problems, validate_environment
 from .errors import CGXError
 
 __all__ = ["describe", "format_report"]
@@ -139,15 +139,31 @@ def _environment() -> dict[str, str]:
     }
 
 
+def _hierarchy_problems() -> list[str]:
+    """A bad torch_cgx two-level variable (CGX_INTRA_BROADCAST, ...), checked as
+    ``connect`` would; imported here only, so that ``import cgx_ucx`` stays light."""
+    from .transport.topology import resolve_hierarchy
+
+    try:
+        resolve_hierarchy()
+    except CGXError as exc:
+        return [str(exc)]
+    return []
+
+
 def _collect() -> dict[str, Any]:
     versions = {"python": platform.python_version()}
     versions.update({label: _version(names) for label, names in PACKAGES})
     ucx = _ucx()
     versions["UCX"] = ucx.pop("version")
-    try:
-        config = str(validate_environment())
-    except CGXError as exc:
-        config = f"invalid: {exc}"
+    problems = environment_problems() + _hierarchy_problems()
+    if problems:
+        config = f"invalid ({len(problems)} bad variable(s), below)"
+    else:
+        try:
+            config = str(validate_environment())
+        except CGXError as exc:
+            config = f"invalid: {exc}"
     return {
         "versions": versions,
         "platform": f"{platform.system()} {platform.release()} {platform.machine()}",
@@ -156,6 +172,7 @@ def _collect() -> dict[str, Any]:
         "gpu": _gpu(),
         "environment": _environment(),
         "compression_from_environment": config,
+        "environment_problems": problems,
     }
 
 
@@ -178,6 +195,8 @@ def format_report(info: dict[str, Any]) -> str:
         status += f", device 0: {gpu['device0']}"
     lines.append(f"  GPU: {status}" + (f" ({gpu['error']})" if gpu["error"] else ""))
     lines.append(f"  compression from the environment: {info['compression_from_environment']}")
+    for problem in info.get("environment_problems", []):
+        lines.append(f"    bad: {problem}")
     lines.append("  environment (CGX_*, UCX_*, threads, rendezvous):")
     for k, v in info["environment"].items():
         lines.append(f"    {k}={v}")

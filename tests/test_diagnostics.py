@@ -6,6 +6,8 @@ import io
 import subprocess
 import sys
 
+import pytest
+
 import cgx_ucx
 from cgx_ucx import diagnostics
 
@@ -42,10 +44,28 @@ def test_describe_reports_versions_transports_gpu_and_environment(monkeypatch):
     assert "UCX transports" in text and "CGX_COMPRESSION_QUANTIZATION_BITS=4" in text
 
 
-def test_describe_never_raises_on_a_bad_variable(monkeypatch):
+def test_describe_never_raises_and_names_every_bad_variable(monkeypatch):
     monkeypatch.setenv("CGX_COMPRESSION_QUANTIZATION_BITS", "5x")
+    monkeypatch.setenv("CGX_UCX_TIMEOUT", "-1")
+    monkeypatch.setenv("CGX_COMPRESSION_BUCKET_SIZE", "0")
+    monkeypatch.setenv("CGX_CROSS_REDUCTION_TYPE", "tree")
     info = cgx_ucx.describe(quiet=True)
-    assert "CGX_COMPRESSION_QUANTIZATION_BITS='5x'" in info["compression_from_environment"]
+    assert info["compression_from_environment"].startswith("invalid (4 bad")
+    problems = " ".join(info["environment_problems"])
+    for name in ("QUANTIZATION_BITS='5x'", "TIMEOUT='-1'", "BUCKET_SIZE='0'", "TYPE='tree'"):
+        assert name in problems, problems
+    assert problems.count("bad:") == 0 and len(info["environment_problems"]) == 4
+    text = diagnostics.format_report(info)
+    assert text.count("    bad: ") == 4
+
+
+def test_validate_environment_names_every_bad_variable():
+    from cgx_ucx.config import validate_environment
+
+    env = {"CGX_COMPRESSION_QUANTIZATION_BITS": "9", "CGX_COMPRESSION_STOCHASTIC": "2"}
+    with pytest.raises(cgx_ucx.ConfigError, match="2 bad variables") as info:
+        validate_environment(env)
+    assert "BITS='9'" in str(info.value) and "STOCHASTIC='2'" in str(info.value)
 
 
 def test_missing_ucx_info_is_reported_not_raised(monkeypatch):
@@ -65,6 +85,7 @@ def test_runs_from_a_shell():
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("cgx_ucx diagnostics")
+    assert "RuntimeWarning" not in proc.stderr, proc.stderr
 
 
 def test_the_secret_is_never_printed(monkeypatch):
