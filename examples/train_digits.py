@@ -271,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="the JSON file (the PNG goes next to it)")
     parser.add_argument("--quiet", action="store_true", help="no epoch lines (CI)")
     args = parser.parse_args(argv)
+    if not (1 <= args.bits <= 8 or args.bits == 32):
+        parser.error(f"--bits must be 1..8 or 32 (uncompressed), got {args.bits}")
+    if args.epochs < 1 or args.batch_size < 1 or not args.lr > 0:
+        parser.error("--epochs and --batch-size must be at least 1 and --lr greater than 0")
 
     torch.set_num_threads(1)  # two ranks share two cores here
     assert cgx_torch.BACKEND_NAME in dist.Backend.backend_list  # registered at import
