@@ -24,6 +24,7 @@ __all__ = [
     "BFLOAT16",
     "CODEC_DTYPES",
     "MAX_BUCKET_SIZE",
+    "MAX_SECONDS",
     "NO_COMPRESSION_BITS",
     "SEED_LIMIT",
     "VALID_BITS",
@@ -183,13 +184,22 @@ def check_seed(seed: Any, what: str = "seed") -> int:
     return seed
 
 
+#: The longest timeout: every wait has a finite deadline, and the platform's timed waits
+#: overflow near 2**63 ns (an infinite timeout crashed close() with an OverflowError).
+MAX_SECONDS = 1e9
+
+
 def check_seconds(value: Any, what: str = "timeout") -> float:
-    """``value`` as a number of seconds > 0 (int or float, not bool); ConfigError
-    otherwise."""
+    """``value`` as a number of seconds > 0 and at most MAX_SECONDS (int or float, not
+    bool); ConfigError otherwise."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{what} must be a number of seconds > 0, got {value!r}")
     if not value > 0:
         raise ConfigError(f"{what} must be > 0 seconds, got {value!r}")
+    if not value <= MAX_SECONDS:
+        raise ConfigError(
+            f"{what} must be finite, at most {MAX_SECONDS:g} seconds (31 years), got {value!r}"
+        )
     return float(value)
 
 

@@ -35,6 +35,7 @@ from typing import Any
 # NO_COMPRESSION_BITS (torch_cgx's 32: do not quantize) and VALID_BITS live with the validators.
 from .arrays import (
     MAX_BUCKET_SIZE,
+    MAX_SECONDS,
     NO_COMPRESSION_BITS,
     VALID_BITS,
     check_bits,
@@ -275,7 +276,12 @@ def resolve_comm(
 ) -> CommConfig:
     """Resolve a :class:`CommConfig`: keyword > environment > ``base`` > default."""
     env = os.environ if env is None else env
-    timeout = _env_float(ENV_TIMEOUT, env, "a number of seconds > 0", lambda v: v > 0)
+    timeout = _env_float(
+        ENV_TIMEOUT,
+        env,
+        f"a number of seconds > 0, at most {MAX_SECONDS:g}",
+        lambda v: 0 < v <= MAX_SECONDS,
+    )
     secret = env.get(ENV_SECRET) or None
     node_id = env.get(ENV_NODE_ID) or None
     env_values = {"timeout": timeout, "secret": secret, "node_id": node_id}

@@ -154,6 +154,7 @@ class SyncCommunicator:
         self._engine = engine
         self._comm = comm
         self._closed = False
+        self._submitted = 0
 
     @property
     def rank(self) -> int:
@@ -180,11 +181,18 @@ class SyncCommunicator:
     def engine(self) -> Engine:
         return self._engine
 
+    @property
+    def submitted(self) -> int:
+        """Calls submitted so far (a caller can tell whether a call of its went out)."""
+        return self._submitted
+
     def _submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:
         if self._closed:
             coro.close()
             raise TransportError("the communicator is closed")
-        return self._engine.submit(coro)
+        fut = self._engine.submit(coro)
+        self._submitted += 1
+        return fut
 
     def allreduce(self, x: Any, op: str = "sum", **kwargs: Any) -> concurrent.futures.Future:
         """Submit :meth:`Communicator.allreduce`; same keywords (layout, bits, ...)."""

@@ -91,6 +91,18 @@ def test_bad_environment_value_names_the_variable(name, raw, accepts):
         validate_environment(env={name: raw})
 
 
+def test_an_infinite_timeout_is_refused_not_a_crash_at_close():
+    """Review (session 10): CGX_UCX_TIMEOUT=inf passed the check and close() then died
+    in an OverflowError of the platform's timed wait."""
+    for raw in ("inf", "1e309", "2e9"):
+        with pytest.raises(ConfigError, match="at most 1e"):
+            resolve_comm(env={ENV_TIMEOUT: raw})
+    for value in (float("inf"), 2e9):
+        with pytest.raises(ConfigError, match="finite, at most"):
+            CommConfig(timeout=value)
+    assert CommConfig(timeout=1e9).timeout == 1e9
+
+
 def test_bad_timeout_variable_names_it():
     for raw in ("soon", "0", "-3"):
         with pytest.raises(ConfigError, match=f"{ENV_TIMEOUT}='{raw}' is not a number"):

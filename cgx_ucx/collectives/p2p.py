@@ -131,14 +131,31 @@ class PointToPoint:
         expected = self._template(flat)
         self._t.check()
         n = self._claim(src, tag)
-        ahead = self._ahead.pop((src, tag, n), None)
-        if ahead is None:
-            frame = await self._t.recv_frame(src, n, PH_P2P, tag)
-        else:
-            frame = await self._wait_ahead(ahead, src, tag)
-        await self._take(src, tag, frame, flat, expected)
+        try:
+            ahead = self._ahead.pop((src, tag, n), None)
+            if ahead is None:
+                frame = await self._t.recv_frame(src, n, PH_P2P, tag)
+            else:
+                frame = await self._wait_ahead(ahead, src, tag)
+            await self._take(src, tag, frame, flat, expected)
+        except asyncio.CancelledError:
+            self._abandoned(src, tag)
+            raise
         self._count("recv")
         return src
+
+    def _abandoned(self, src: int, tag: int) -> None:
+        """A numbered receive was cancelled before its message was in: the stream's
+        numbering is lost (its message would be the next receive's), so it fails."""
+        self._broken.setdefault(
+            (src, tag),
+            CGXTimeoutError(
+                f"rank {self._t.rank}: an earlier receive of tag {tag} from rank {src} was "
+                "abandoned before its message came (its wait timed out or it was "
+                "cancelled); later receives of this stream would take the wrong messages",
+                peer=src,
+            ),
+        )
 
     async def _wait_ahead(self, task: asyncio.Task, src: int, tag: int) -> Frame:
         """A header posted ahead of need (no deadline), awaited with the deadline."""
@@ -174,7 +191,11 @@ class PointToPoint:
                 src = ready[0]
                 n = self._claim(src, tag)
                 frame = self._ahead.pop((src, tag, n)).result()
-                await self._take(src, tag, frame, flat, expected)
+                try:
+                    await self._take(src, tag, frame, flat, expected)
+                except asyncio.CancelledError:
+                    self._abandoned(src, tag)
+                    raise
                 self._count("recv")
                 return src
             left = end - loop.time()

@@ -158,18 +158,21 @@ def _connect(
 
 
 def _tells_peers(fn: Callable[..., CGXWork]) -> Callable[..., CGXWork]:
-    """For a numbered collective: a ConfigError found here, before the engine call
-    starts, also refuses that call on the engine, so the peers raise at once
-    (CollectiveMismatchError naming this rank and the error) instead of waiting for
-    this rank until the timeout. Every such method starts exactly one engine collective,
-    as its last step, so the refusal takes the number the call would have taken."""
+    """For a numbered collective: an error raised here before the engine call is
+    submitted (a ConfigError of our checks, or any other, e.g. torch refusing the
+    tensors) also refuses that call on the engine, so the peers raise at once
+    (CollectiveMismatchError naming this rank and the error) instead of pairing this
+    rank's next call with this one, or waiting until the timeout. Every such method
+    starts exactly one engine collective, so the refusal takes the number the call would
+    have taken; an error after the submission is not refused again."""
 
     @functools.wraps(fn)
     def checked(self: ProcessGroupCGX, *args: Any, **kwargs: Any) -> CGXWork:
+        before = self._comm.submitted
         try:
             return fn(self, *args, **kwargs)
-        except ConfigError as exc:
-            if not self._closed and self._size > 1:
+        except Exception as exc:
+            if not self._closed and self._size > 1 and self._comm.submitted == before:
                 # A closed or failed communicator: the peers know already.
                 with contextlib.suppress(CGXError):
                     self._comm.refuse(fn.__name__, exc)
@@ -510,6 +513,10 @@ class ProcessGroupCGX(dist.ProcessGroup):
         self._check_open()
         opts = opts if opts is not None else dist.ReduceOptions()
         t = self._single(tensors, "reduce")
+        if not 0 <= opts.rootRank < self._size:  # else no rank would keep the result
+            raise ConfigError(
+                f"reduce: root must be a rank in 0..{self._size - 1}, got {opts.rootRank}"
+            )
         is_root = self._rank == opts.rootRank
         stage = t.contiguous() if is_root else t.clone(memory_format=torch.contiguous_format)
         cf, post = ops.allreduce_into(self._view, stage, opts.reduceOp, self.compression)

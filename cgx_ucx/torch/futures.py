@@ -67,7 +67,8 @@ def _complete(
             # concurrent.futures.CancelledError.
             exc = TransportError(
                 "the collective was cancelled before it completed: its process group was "
-                "shut down (destroy_process_group) while it was still running"
+                "shut down (destroy_process_group) while it was still running, or (a "
+                "receive) its wait timed out"
             )
         else:
             exc = src.exception()

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -100,7 +101,12 @@ def staged(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
 
 def _local_reduce(kind: str, gathered: torch.Tensor, out: torch.Tensor) -> None:
     """Reduce ``gathered`` (world, ...) over dim 0 into ``out``, in rank order."""
-    if kind == "max":
+    if kind in ("max", "min") and gathered.dtype in _NO_TORCH_MINMAX:
+        # torch has no amax/amin for uint16..uint64; NumPy does (host tensors only,
+        # checked by _local_kind before the call starts).
+        reduce = np.maximum if kind == "max" else np.minimum
+        reduce.reduce(gathered.numpy(), axis=0, out=out.numpy())
+    elif kind == "max":
         torch.amax(gathered, dim=0, out=out)
     elif kind == "min":
         torch.amin(gathered, dim=0, out=out)
@@ -138,7 +144,18 @@ def _local_kind(t: torch.Tensor, op: Any) -> str:
         raise ConfigError(f"bitwise reduce op {op} needs integer or bool tensors, got {t.dtype}")
     if t.is_complex() and kind in ("max", "min"):
         raise ConfigError(f"{op} is not defined for complex tensors")
+    if kind in ("max", "min") and t.dtype in _NO_TORCH_MINMAX and t.device.type != "cpu":
+        raise ConfigError(
+            f"{op} of {t.dtype} tensors on {t.device} is not available (torch has no "
+            "max/min for them); convert the tensor to a signed type"
+        )
     return kind
+
+
+#: Unsigned dtypes torch cannot take the max/min of (torch 2.13); NumPy does on the host.
+_NO_TORCH_MINMAX = tuple(
+    getattr(torch, name) for name in ("uint16", "uint32", "uint64") if hasattr(torch, name)
+)
 
 
 def _sums(t: torch.Tensor, op: Any) -> bool:
@@ -465,6 +482,12 @@ def scatter(
     """``ins[r]`` of ``root`` into rank r's ``out``. One broadcast of every rank's part:
     simple and exact; scatter is rare in training."""
     if ins is not None:
+        for r, x in enumerate(ins):
+            if x.numel() != out.numel() or x.dtype != out.dtype:
+                raise ConfigError(
+                    f"scatter: input {r} on the root holds {x.numel()} values of {x.dtype}, "
+                    f"the output {out.numel()} of {out.dtype}"
+                )
         buf = torch.stack([x.reshape(-1) for x in ins])
     else:
         buf = torch.empty((g.size, out.numel()), dtype=out.dtype, device=out.device)

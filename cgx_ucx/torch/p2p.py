@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import CGXTimeoutError, ConfigError
 from ._convert import as_array
 from .futures import to_torch_future
 from .ops import GroupView, Pending, staged
@@ -28,9 +28,21 @@ class RecvWork(CGXWork):
     """The Work of a receive; ``_source_rank()`` names the sender, as torch's
     ``recv(src=None)`` asks of the work of a receive from any source."""
 
-    def __init__(self, what: str, timeout: float) -> None:
+    def __init__(self, what: str, timeout: float, source: Any = None) -> None:
         super().__init__(what, timeout)
         self._src = -1
+        self._source = source  # the engine future of the receive
+
+    def wait(self, timeout: Any = None) -> bool:
+        """As :meth:`CGXWork.wait`; a receive whose wait times out is cancelled, and its
+        stream (source, tag) fails from then on: left posted, it would take the next
+        message and every later receive would get the one after (review, session 10)."""
+        try:
+            return super().wait(timeout)
+        except CGXTimeoutError:
+            if self._source is not None:
+                self._source.cancel()
+            raise
 
     def set_source(self, src: int) -> None:
         self._src = src
@@ -65,7 +77,7 @@ def recv(
     stage, back = staged(t)
     cf = g.comm.recv(as_array(stage.view(-1)), src, tag)
     what = "recv" if src is not None else "recv from any source"
-    work = RecvWork(what, timeout)
+    work = RecvWork(what, timeout, cf)
 
     def finish(sender: Any) -> list[torch.Tensor]:
         work.set_source(int(sender))
