@@ -48,14 +48,21 @@ from .report import (
     Progress,
     add_output_args,
     bits_arg,
+    check_memory,
     count_arg,
     format_table,
     positive_number,
+    ranks_arg,
     results_dir,
     write_json,
 )
 
 MiB = 1 << 20
+#: Buffers of a size each rank holds at once: the input, the buffer reduced in place, the
+#: float64 draw that makes the input and the communicator's staging (about 4 in all).
+BUFFERS_PER_RANK = 4
+#: Buffers of a point-to-point size each of the two ranks holds: its own and staging.
+P2P_BUFFERS_PER_RANK = 2
 #: Sends kept in flight by the point-to-point test (ucx_perftest's tag_bw also keeps a
 #: window of outstanding sends, so per-message latency does not hide the bandwidth).
 P2P_WINDOW = 16
@@ -246,11 +253,30 @@ def _perftest(nbytes: int, iters: int) -> float | None:
     return float(m.group(2)) * MiB / 1e9 if m else None
 
 
+def _check_memory(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage errors for sizes whose buffers cannot fit in this machine's memory."""
+    world, largest = max(args.world), max(args.sizes)
+    check_memory(
+        ap,
+        "--sizes",
+        world * BUFFERS_PER_RANK * largest * MiB,
+        f"{largest:g} MiB on {world} ranks: {BUFFERS_PER_RANK} buffers of that size per rank",
+    )
+    if not args.no_p2p and 2 in args.world:
+        largest = max(args.p2p_sizes)
+        check_memory(
+            ap,
+            "--p2p-sizes",
+            2 * P2P_BUFFERS_PER_RANK * largest * MiB,
+            f"{largest:g} MiB on 2 ranks: {P2P_BUFFERS_PER_RANK} buffers of that size per rank",
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m cgx_ucx.bench allreduce", description=__doc__, formatter_class=HelpFormatter
     )
-    ap.add_argument("--world", type=count_arg(2), nargs="+", default=[2, 4], help="world sizes")
+    ap.add_argument("--world", type=ranks_arg(2), nargs="+", default=[2, 4], help="world sizes")
     ap.add_argument(
         "--sizes", type=positive_number, nargs="+", default=[1, 4, 16, 64, 256], help="MiB"
     )
@@ -274,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     add_output_args(ap)
     args = ap.parse_args(argv)
+    _check_memory(ap, args)
     out_dir = results_dir(args)
     opts = {
         "sizes": args.sizes,

@@ -47,16 +47,21 @@ from .report import (
     Progress,
     add_output_args,
     bits_arg,
+    check_memory,
     count_arg,
     format_table,
     positive_number,
     results_dir,
+    threads_arg,
     write_json,
 )
 
 MIB = 1 << 20
 #: The reference is 50-100x slower: it gets at most this many timed repeats.
 REFERENCE_REPEAT = 3
+#: Buffers of a size held at once, in units of its float32 input: input, copy, accumulator,
+#: requantized copy (4) and the codes and temporaries (about 1 more).
+BUFFERS_PER_SIZE = 5
 
 
 _BEST: dict[int, float] = {}  # id(fn) -> best time of the last _median_time call
@@ -170,12 +175,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bucket", type=count_arg(1), default=1024, help="bucket size (values)")
     ap.add_argument("--repeat", type=count_arg(1), default=10, help="timed repeats (median)")
     ap.add_argument(
-        "--threads", type=count_arg(1), default=None, help="codec threads (unset: all cores)"
+        "--threads", type=threads_arg, default=None, help="codec threads (unset: all cores)"
     )
     ap.add_argument("--no-reference", action="store_true", help="skip the NumPy reference")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     add_output_args(ap)
     args = ap.parse_args(argv)
+    largest = max(args.sizes)
+    check_memory(
+        ap,
+        "--sizes",
+        BUFFERS_PER_SIZE * largest * MIB,
+        f"{largest:g} MiB: {BUFFERS_PER_SIZE} buffers of that size (input, copy, accumulator, "
+        "requantized copy, codes)",
+    )
     out_dir = results_dir(args)
 
     from ..compression import cpu

@@ -28,11 +28,13 @@ from typing import Any
 import numpy as np
 
 from .report import (
+    MAX_LOCAL_RANKS,
     HelpFormatter,
     add_output_args,
     count_arg,
     format_table,
     positive_number,
+    ranks_arg,
     results_dir,
     write_json,
 )
@@ -213,9 +215,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0],
         formatter_class=HelpFormatter,
     )
-    ap.add_argument("--world", type=count_arg(2), default=2, help="ranks")
+    ap.add_argument("--world", type=ranks_arg(2), default=2, help="ranks")
     ap.add_argument(
-        "--hogs", type=count_arg(0), default=8, help="busy-looping processes beside the job"
+        "--hogs",
+        type=count_arg(0, MAX_LOCAL_RANKS, "processes started on this one machine"),
+        default=8,
+        help="busy-looping processes beside the job",
     )
     ap.add_argument(
         "--steps", type=count_arg(WARMUP_STEPS + 1), default=150, help="training steps per run"

@@ -43,14 +43,19 @@ from .report import (
     HelpFormatter,
     add_output_args,
     bits_arg,
+    check_memory,
     count_arg,
     format_table,
     positive_number,
+    ranks_arg,
     results_dir,
     write_json,
 )
 
 KiB = 1 << 10
+#: Buffers of a size each rank holds at once: the tensor reduced in place and the
+#: backends' staging (about 3 in all).
+BUFFERS_PER_RANK = 3
 
 
 def _percentiles(samples: list[float]) -> tuple[float, float]:
@@ -396,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=HelpFormatter,
     )
     ap.add_argument(
-        "--world", type=count_arg(2), nargs="+", default=[2, 4], help="world sizes (ranks)"
+        "--world", type=ranks_arg(2), nargs="+", default=[2, 4], help="world sizes (ranks)"
     )
     ap.add_argument(
         "--sizes-kib",
@@ -411,6 +416,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=positive_number, default=600.0, help="seconds per world size")
     add_output_args(ap)
     args = ap.parse_args(argv)
+    world, largest = max(args.world), max(args.sizes_kib)
+    check_memory(
+        ap,
+        "--sizes-kib",
+        world * BUFFERS_PER_RANK * largest * KiB,
+        f"{largest:g} KiB on {world} ranks: {BUFFERS_PER_RANK} buffers of that size per rank",
+    )
     opts = {"sizes_kib": args.sizes_kib, "bits": args.bits, "iters": args.iters, "cold": args.cold}
     load_before = os.getloadavg()
     all_rows: list[dict[str, Any]] = []

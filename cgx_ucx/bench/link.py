@@ -71,11 +71,14 @@ from .link_worker import PROGRESS
 from .netns import LinkEmulator, TcpMeasurement, format_rate, missing_prerequisites, parse_rate
 from .report import (
     add_output_args,
+    arg_error,
     bits_arg,
+    check_memory,
     count_arg,
     format_table,
     nonnegative_number,
     positive_number,
+    ranks_arg,
     results_dir,
     write_json,
 )
@@ -88,6 +91,10 @@ MIB = 1 << 20
 RATE_TOLERANCE = 1.05
 #: cgx32 must match gloo's float32 sum: the same sum in another order differs by ~1e-7.
 EXACT_REL_ERR = 1e-5
+#: Buffers of an allreduce size each rank holds at once (:mod:`cgx_ucx.bench.link_worker`):
+#: the input, the buffer reduced in place, gloo's result kept for the error check, the
+#: float64 difference (2) and the communicator's staging (about 6 in all).
+BUFFERS_PER_RANK = 6
 #: The uncompressed check needs a transfer well beyond the bucket's burst to mean anything.
 CHECK_MIN_BURSTS = 4
 
@@ -144,10 +151,36 @@ def parse_size(text: str) -> int:
 
 
 def rate_arg(text: str) -> int:
+    """An argparse ``type``: a link rate in bits per second (:func:`~cgx_ucx.bench.netns.
+    parse_rate`: a number or tc's units, e.g. ``1gbit``)."""
     try:
         return parse_rate(text)
     except CGXError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def check_iters(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A usage error unless ``--min-iters <= --max-iters`` (shared with ``bench nodes``)."""
+    if args.max_iters < args.min_iters:
+        arg_error(
+            parser,
+            "--max-iters",
+            f"must be at least --min-iters ({args.min_iters}), got {args.max_iters}",
+        )
+
+
+def check_sizes(
+    parser: argparse.ArgumentParser, option: str, sizes: Sequence[int], ranks: int
+) -> None:
+    """A usage error when ``ranks`` ranks of this machine cannot hold the largest of
+    ``sizes`` (:data:`BUFFERS_PER_RANK` buffers each) in its physical memory."""
+    largest = max(sizes)
+    check_memory(
+        parser,
+        option,
+        ranks * BUFFERS_PER_RANK * largest,
+        f"{size_label(largest)} on {ranks} ranks: {BUFFERS_PER_RANK} buffers of that size per rank",
+    )
 
 
 def size_label(size: int) -> str:
@@ -827,7 +860,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rates", nargs="+", type=rate_arg, default=[10**9, 10 * 10**9],
                    help="link rates per direction, e.g. 1gbit 10gbit (default)")  # fmt: skip
     p.add_argument(
-        "--world", nargs="+", type=count_arg(2), default=[2, 4], help="ranks (default 2 4)"
+        "--world", nargs="+", type=ranks_arg(2), default=[2, 4], help="ranks (default 2 4)"
     )
     p.add_argument("--sizes", nargs="+", type=parse_size,
                    default=[s * MIB for s in (1, 4, 16, 64, 256)],
@@ -852,7 +885,9 @@ def _parser() -> argparse.ArgumentParser:
         help="bits of cgx's gradient reduce-scatter under FSDP2 (default 4 32)",
     )
     add_training_args(p)
-    p.add_argument("--plot-size", type=parse_size, default=64 * MIB)
+    p.add_argument(
+        "--plot-size", type=parse_size, default=64 * MIB, help="size plotted (else the largest)"
+    )
     add_output_args(p)
     p.add_argument("--verbose", action="store_true", help="show the ranks' stderr")
     return p
@@ -874,13 +909,11 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; 0 on success, 2 without root/iproute2, 3 when a check refused."""
-    args = _parser().parse_args(argv)
-    if args.min_iters < 1 or args.max_iters < args.min_iters:
-        print("need 1 <= --min-iters <= --max-iters", file=sys.stderr)
-        return 2
-    if any(w < 2 for w in args.world):
-        print("--world needs at least 2 ranks", file=sys.stderr)
-        return 2
+    parser = _parser()
+    args = parser.parse_args(argv)
+    check_iters(parser, args)
+    check_sizes(parser, "--sizes", args.sizes, max(args.world))
+    check_sizes(parser, "--plot-size", [args.plot_size], max(args.world))
     missing = missing_prerequisites()
     if missing:
         print("link emulation needs " + ", ".join(missing), file=sys.stderr)

@@ -74,6 +74,8 @@ from .link import (
     RATE_TOLERANCE,
     Progress,
     add_training_args,
+    check_iters,
+    check_sizes,
     median,
     parse_size,
     rate_arg,
@@ -85,7 +87,9 @@ from .link import (
 from .link_worker import PROGRESS
 from .netns import LinkEmulator, TcpMeasurement, format_rate, missing_prerequisites
 from .report import (
+    MAX_LOCAL_RANKS,
     add_output_args,
+    arg_error,
     bits_arg,
     count_arg,
     format_table,
@@ -547,8 +551,11 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m cgx_ucx.bench nodes",
         description="gloo vs flat vs hierarchical cgx_ucx on emulated nodes (netns + tc; root)",
     )
-    p.add_argument("--nodes", type=count_arg(2), default=2, help="emulated nodes (hosts)")
-    p.add_argument("--ranks-per-node", type=count_arg(2), default=2, help="ranks in each node")
+    # Two levels need at least 2 of each; all nodes x ranks per node run on this machine.
+    why = f"the other is at least 2, and at most {MAX_LOCAL_RANKS} ranks run on this machine"
+    most = count_arg(2, MAX_LOCAL_RANKS // 2, why)
+    p.add_argument("--nodes", type=most, default=2, help="emulated nodes (hosts)")
+    p.add_argument("--ranks-per-node", type=most, default=2, help="ranks in each node")
     p.add_argument("--rates", nargs="+", type=rate_arg, default=[10**9, 10 * 10**9],
                    help="rates between nodes, per direction (default 1gbit 10gbit)")  # fmt: skip
     p.add_argument("--sizes", nargs="+", type=parse_size, default=[s * MIB for s in (16, 64, 256)],
@@ -568,24 +575,26 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check_args(args: argparse.Namespace) -> str | None:
-    if args.min_iters < 1 or args.max_iters < args.min_iters:
-        return "need 1 <= --min-iters <= --max-iters"
-    if args.nodes < 2 or args.ranks_per_node < 2:
-        return "--nodes and --ranks-per-node must be at least 2 (two levels need both)"
-    if args.nodes * args.ranks_per_node > 254:
-        return "at most 254 ranks"
-    return None
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage errors for what the option types alone cannot see."""
+    check_iters(parser, args)
+    ranks = args.nodes * args.ranks_per_node
+    if ranks > MAX_LOCAL_RANKS:
+        arg_error(
+            parser,
+            "--ranks-per-node",
+            f"{args.nodes} nodes x {args.ranks_per_node} ranks per node = {ranks} ranks, "
+            f"at most {MAX_LOCAL_RANKS} (ranks started on this one machine)",
+        )
+    check_sizes(parser, "--sizes", args.sizes, ranks)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; 0 on success, 2 on bad arguments or without root/iproute2, 3 when
     a check refused."""
-    args = _parser().parse_args(argv)
-    problem = _check_args(args)
-    if problem:
-        print(problem, file=sys.stderr)
-        return 2
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
     missing = missing_prerequisites()
     if missing:
         print("link emulation needs " + ", ".join(missing), file=sys.stderr)

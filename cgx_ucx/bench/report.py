@@ -17,22 +17,29 @@ import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 __all__ = [
     "DEFAULT_RESULTS_ROOT",
+    "MAX_LOCAL_RANKS",
     "HelpFormatter",
     "Progress",
     "add_output_args",
+    "arg_error",
     "bits_arg",
+    "check_memory",
     "count_arg",
     "default_results_dir",
     "format_table",
     "machine_info",
+    "max_threads",
     "nonnegative_number",
+    "physical_memory",
     "positive_number",
     "progress",
+    "ranks_arg",
     "results_dir",
+    "threads_arg",
     "tracked_results_dir",
     "write_json",
 ]
@@ -77,9 +84,23 @@ class _DeprecatedOut(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-def count_arg(minimum: int = 1) -> Any:
-    """An argparse ``type``: an integer of at least ``minimum`` (a clear usage error
-    otherwise, never a silent substitute or a crash later in the run)."""
+#: Most ranks (or other processes) a benchmark starts on this one machine: past this the
+#: ranks only queue for the cores, and the figures say nothing (the emulated links'
+#: /24 would allow 254, :data:`cgx_ucx.bench.netns.MAX_WORLD`).
+MAX_LOCAL_RANKS = 64
+#: Codec threads per core at most (``--threads``): beyond a few per core they only queue.
+MAX_THREADS_PER_CPU = 4
+
+
+def max_threads() -> int:
+    """Most codec threads a benchmark accepts: :data:`MAX_THREADS_PER_CPU` per CPU."""
+    return MAX_THREADS_PER_CPU * (os.cpu_count() or 1)
+
+
+def count_arg(minimum: int = 1, maximum: int | None = None, why: str = "") -> Any:
+    """An argparse ``type``: an integer of at least ``minimum`` and, when given, at most
+    ``maximum`` (``why`` says where that limit comes from): a clear usage error otherwise,
+    never a silent substitute or a crash later in the run."""
 
     def parse(text: str) -> int:
         try:
@@ -88,17 +109,36 @@ def count_arg(minimum: int = 1) -> Any:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            reason = f" ({why})" if why else ""
+            raise argparse.ArgumentTypeError(f"must be at most {maximum}{reason}, got {value}")
         return value
 
     parse.__name__ = "count"  # argparse names the type in its messages
     return parse
 
 
+def ranks_arg(minimum: int = 2) -> Any:
+    """An argparse ``type``: a number of ranks started on this machine, ``minimum`` to
+    :data:`MAX_LOCAL_RANKS`."""
+    return count_arg(minimum, MAX_LOCAL_RANKS, "ranks started on this one machine")
+
+
+def threads_arg(text: str) -> int:
+    """An argparse ``type``: a thread count, 1 to :func:`max_threads`."""
+    cpus = os.cpu_count() or 1
+    why = f"{MAX_THREADS_PER_CPU} per CPU, {cpus} CPUs here"
+    return count_arg(1, max_threads(), why)(text)
+
+
 def positive_number(text: str) -> float:
     """An argparse ``type``: a finite number greater than 0 (seconds, sizes, rates)."""
-    value = nonnegative_number(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError(f"must be a number greater than 0, got {text}")
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (0 < value < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number greater than 0, got {text}")
     return value
 
 
@@ -111,6 +151,39 @@ def nonnegative_number(text: str) -> float:
     if not (0 <= value < float("inf")):
         raise argparse.ArgumentTypeError(f"must be a finite number of at least 0, got {text}")
     return value
+
+
+def arg_error(parser: argparse.ArgumentParser, option: str, message: str) -> NoReturn:
+    """A usage error about ``option`` found after parsing (a check across options): the
+    usage line and ``argument OPTION: message``, exit 2, as argparse's own."""
+    parser.error(f"argument {option}: {message}")
+
+
+def physical_memory() -> int | None:
+    """Bytes of physical memory of this machine, or None where the system does not say."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+    return total if total > 0 else None
+
+
+def check_memory(parser: argparse.ArgumentParser, option: str, nbytes: float, what: str) -> None:
+    """A usage error about ``option`` when ``nbytes`` (what the benchmark will allocate at
+    once, ``what`` says how that is counted) exceed this machine's physical memory: the run
+    would fail with a MemoryError, or swap, long after it started."""
+    total = physical_memory()
+    if total is not None and nbytes > total:
+        arg_error(
+            parser,
+            option,
+            f"{what} need about {_gib(nbytes)}, more than the {_gib(total)} of physical "
+            "memory of this machine",
+        )
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / (1 << 30):.3g} GiB"
 
 
 def bits_arg(text: str) -> int:

@@ -52,13 +52,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .link import rate_arg
+from .netns import LinkEmulator, format_rate, missing_prerequisites
 from .report import (
     HelpFormatter,
     Progress,
     add_output_args,
+    arg_error,
     count_arg,
     format_table,
     positive_number,
+    ranks_arg,
     results_dir,
     write_json,
 )
@@ -82,15 +86,36 @@ PROGRESS_TAG = "[train]"
 # driver
 
 
+def _policies_arg(text: str) -> list[str]:
+    """An argparse ``type``: a comma-separated, non-empty subset of POLICY_NAMES."""
+    policies = [s.strip() for s in text.split(",") if s.strip()]
+    valid = ", ".join(POLICY_NAMES)
+    if not policies:
+        raise argparse.ArgumentTypeError(f"at least one policy is needed, of {valid}")
+    unknown = sorted(set(policies) - set(POLICY_NAMES))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown policies {unknown}; choose from {valid}")
+    return policies
+
+
+def _link_rate_arg(text: str) -> str:
+    """An argparse ``type``: a link rate as ``bench link --rates`` takes it, written in
+    tc's units (``1000mbit`` -> ``1gbit``: the name of the result file)."""
+    return format_rate(rate_arg(text))
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m cgx_ucx.bench train",
         description=__doc__.splitlines()[0],
         formatter_class=HelpFormatter,
     )
-    p.add_argument("--world", type=count_arg(1), default=2, help="ranks")
+    p.add_argument(
+        "--world", type=ranks_arg(2), default=2, help="ranks (one has nothing to compress)"
+    )
     p.add_argument(
         "--policies",
+        type=_policies_arg,
         default=",".join(POLICY_NAMES),
         help=f"comma-separated subset of {','.join(POLICY_NAMES)}",
     )
@@ -113,7 +138,12 @@ def _parser() -> argparse.ArgumentParser:
         "--window", type=count_arg(1), default=10, help="kmeans/budget: statistics steps"
     )
     p.add_argument("--check-every", type=count_arg(1), default=50, help="auto: drift check period")
-    p.add_argument("--link-rate", default=None, help="emulated link rate, e.g. 1gbit (root)")
+    p.add_argument(
+        "--link-rate",
+        type=_link_rate_arg,
+        default=None,
+        help="emulated link rate, e.g. 1gbit (root)",
+    )
     p.add_argument(
         "--timeout", type=positive_number, default=900.0, help="seconds for the whole run"
     )
@@ -124,20 +154,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    policies = [s.strip() for s in args.policies.split(",") if s.strip()]
-    unknown = sorted(set(policies) - set(POLICY_NAMES))
-    if unknown or not policies:
-        print(f"unknown policies {unknown}; choose from {POLICY_NAMES}", file=sys.stderr)
-        return 2
-    if args.repeats < 1:
-        print("--repeats must be >= 1", file=sys.stderr)
-        return 2
-    if args.world < 2:
-        print("--world must be >= 2 (one rank has nothing to compress)", file=sys.stderr)
-        return 2
+    parser = _parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    policies = args.policies
     if args.worker:
         return _worker(args, policies)
+    if args.link_rate:
+        missing = missing_prerequisites()
+        if missing:
+            arg_error(parser, "--link-rate", f"link emulation needs {', '.join(missing)}")
 
     out_dir = results_dir(args)
     forward = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--worker"]
@@ -147,12 +172,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     on_line = functools.partial(_on_rank_line, bar)
     try:
         if args.link_rate:
-            from .netns import LinkEmulator, missing_prerequisites
-
-            missing = missing_prerequisites()
-            if missing:
-                print(f"--link-rate needs: {', '.join(missing)}", file=sys.stderr)
-                return 2
             with LinkEmulator(args.world, args.link_rate) as em:
                 runs = em.run_ranks(
                     cmd, timeout=args.timeout, env=_threads_env(args.world), progress=on_line
