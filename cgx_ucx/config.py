@@ -288,23 +288,23 @@ def resolve_comm(
     return _merge(CommConfig, base or CommConfig(), env_values, kwargs)
 
 
-def environment_problems(env: Mapping[str, str] | None = None) -> list[str]:
-    """Every bad CGX_* value of this module's variables, one message each (naming the
-    variable and what it accepts); empty when all are good."""
+def environment_problems(
+    env: Mapping[str, str] | None = None, *, compression: bool = True
+) -> list[str]:
+    """Every bad value of this module's CGX_* variables, one message each (naming the
+    variable and what it accepts); empty when all are good. ``compression=False`` leaves
+    out the CGX_COMPRESSION_* ones (a group given explicit compression ignores them)."""
     env = os.environ if env is None else env
     checks: list[Any] = [lambda: resolve_comm(env=env), lambda: spin_mode(env)]
-    checks += [
-        functools.partial(resolve_compression, env={name: env[name]})
-        for name in _COMPRESSION_ENV
-        if name in env
-    ]
+    names = [name for name in _COMPRESSION_ENV if name in env] if compression else []
+    checks += [functools.partial(resolve_compression, env={name: env[name]}) for name in names]
     problems = []
     for check in checks:
         try:
             check()
         except ConfigError as exc:
             problems.append(str(exc))
-    if not problems:
+    if compression and not problems:
         try:  # the variables together (each alone was good)
             resolve_compression(env=env)
         except ConfigError as exc:
@@ -312,20 +312,26 @@ def environment_problems(env: Mapping[str, str] | None = None) -> list[str]:
     return problems
 
 
-def validate_environment(env: Mapping[str, str] | None = None) -> CompressionConfig:
-    """Check every CGX_* variable now and return the compression they select.
-
-    The backend calls this when a group is made, so that a bad value fails at
-    ``init_process_group`` (naming the variable) rather than at the first all_reduce;
-    the variables are still read again when each collective starts. Several bad
-    values are all named in one ConfigError.
-    """
-    env = os.environ if env is None else env
-    problems = environment_problems(env)
+def raise_problems(problems: list[str]) -> None:
+    """One ConfigError naming every problem (nothing when there are none)."""
     if len(problems) == 1:
         raise ConfigError(problems[0])
     if problems:
         raise ConfigError(f"{len(problems)} bad variables: " + "; ".join(problems))
+
+
+def validate_environment(env: Mapping[str, str] | None = None) -> CompressionConfig:
+    """Check every CGX_* variable of this module now and return the compression they
+    select.
+
+    The backend calls this (with the two-level variables of
+    :func:`cgx_ucx.transport.topology.hierarchy_problems`) when a group is made, so that
+    a bad value fails at ``init_process_group`` (naming the variable) rather than at the
+    first all_reduce; the variables are still read again when each collective starts.
+    Several bad values are all named in one ConfigError.
+    """
+    env = os.environ if env is None else env
+    raise_problems(environment_problems(env))
     return resolve_compression(env=env)
 
 

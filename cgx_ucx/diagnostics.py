@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from .config import environment_problems, validate_environment
+from .config import environment_problems, resolve_compression
 from .errors import CGXError
 
 __all__ = ["describe", "format_report"]
@@ -139,31 +139,18 @@ def _environment() -> dict[str, str]:
     }
 
 
-def _hierarchy_problems() -> list[str]:
-    """A bad torch_cgx two-level variable (CGX_INTRA_BROADCAST, ...), checked as
-    ``connect`` would; imported here only, so that ``import cgx_ucx`` stays light."""
-    from .transport.topology import resolve_hierarchy
-
-    try:
-        resolve_hierarchy()
-    except CGXError as exc:
-        return [str(exc)]
-    return []
-
-
 def _collect() -> dict[str, Any]:
     versions = {"python": platform.python_version()}
     versions.update({label: _version(names) for label, names in PACKAGES})
     ucx = _ucx()
     versions["UCX"] = ucx.pop("version")
-    problems = environment_problems() + _hierarchy_problems()
-    if problems:
-        config = f"invalid ({len(problems)} bad variable(s), below)"
-    else:
-        try:
-            config = str(validate_environment())
-        except CGXError as exc:
-            config = f"invalid: {exc}"
+    from .transport.topology import hierarchy_problems  # here only: import stays light
+
+    problems = environment_problems() + hierarchy_problems()
+    try:
+        config = str(resolve_compression())
+    except CGXError:
+        config = "not resolved (a bad CGX_COMPRESSION_* variable, below)"
     return {
         "versions": versions,
         "platform": f"{platform.system()} {platform.release()} {platform.machine()}",
@@ -195,7 +182,9 @@ def format_report(info: dict[str, Any]) -> str:
         status += f", device 0: {gpu['device0']}"
     lines.append(f"  GPU: {status}" + (f" ({gpu['error']})" if gpu["error"] else ""))
     lines.append(f"  compression from the environment: {info['compression_from_environment']}")
-    for problem in info.get("environment_problems", []):
+    problems = info.get("environment_problems", [])
+    lines.append(f"  bad CGX_* variables: {len(problems) or 'none'}")
+    for problem in problems:
         lines.append(f"    bad: {problem}")
     lines.append("  environment (CGX_*, UCX_*, threads, rendezvous):")
     for k, v in info["environment"].items():

@@ -150,6 +150,27 @@ def test_init_process_group_rejects_a_bad_variable(monkeypatch, tmp_path):
     assert not dist.is_initialized()
 
 
+@pytest.mark.timeout(60)
+def test_init_process_group_names_every_bad_variable_two_level_ones_too(monkeypatch, tmp_path):
+    """Review (session 10): the two-level (torch_cgx) variables were checked only at
+    connect, one at a time, and a peer saw only "connect failed elsewhere"."""
+    pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    import cgx_ucx  # noqa: F401  (registers the backend)
+
+    monkeypatch.setenv(ENV_BITS, "9")
+    monkeypatch.setenv("CGX_UCX_SPIN", "x")
+    monkeypatch.setenv("CGX_CROSS_REDUCTION_TYPE", "Tree")
+    monkeypatch.setenv("CGX_INTRA_COMPRESS", "x")
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    with pytest.raises(ConfigError, match="4 bad variables") as info:
+        dist.init_process_group("cgx", store=store, rank=0, world_size=1)
+    for name in (ENV_BITS, "CGX_UCX_SPIN", "CGX_CROSS_REDUCTION_TYPE", "CGX_INTRA_COMPRESS"):
+        assert name in str(info.value)
+    assert not dist.is_initialized()
+
+
 def test_compression_from_env_follows_every_change(monkeypatch):
     from cgx_ucx.config import compression_from_env
 

@@ -49,14 +49,21 @@ def test_describe_never_raises_and_names_every_bad_variable(monkeypatch):
     monkeypatch.setenv("CGX_UCX_TIMEOUT", "-1")
     monkeypatch.setenv("CGX_COMPRESSION_BUCKET_SIZE", "0")
     monkeypatch.setenv("CGX_CROSS_REDUCTION_TYPE", "tree")
+    monkeypatch.setenv("CGX_INTRA_COMPRESS", "x")
     info = cgx_ucx.describe(quiet=True)
-    assert info["compression_from_environment"].startswith("invalid (4 bad")
+    assert info["compression_from_environment"].startswith("not resolved")
     problems = " ".join(info["environment_problems"])
-    for name in ("QUANTIZATION_BITS='5x'", "TIMEOUT='-1'", "BUCKET_SIZE='0'", "TYPE='tree'"):
+    for name in (
+        "QUANTIZATION_BITS='5x'",
+        "TIMEOUT='-1'",
+        "BUCKET_SIZE='0'",
+        "TYPE='tree'",
+        "INTRA_COMPRESS='x'",
+    ):
         assert name in problems, problems
-    assert problems.count("bad:") == 0 and len(info["environment_problems"]) == 4
+    assert len(info["environment_problems"]) == 5
     text = diagnostics.format_report(info)
-    assert text.count("    bad: ") == 4
+    assert text.count("    bad: ") == 5 and "bad CGX_* variables: 5" in text
 
 
 def test_validate_environment_names_every_bad_variable():

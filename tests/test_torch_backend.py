@@ -414,3 +414,33 @@ def test_a_receive_whose_wait_timed_out_fails_its_stream_loudly() -> None:
     assert seen[0] == []
     assert seen[1][0].startswith("CGXTimeoutError") and "abandoned" in seen[1][0], seen
     assert seen[1][1] == "tag 3 [5.0, 5.0, 5.0, 5.0]", seen
+
+
+def _reduce_roots(rank: int, world: int, store: Any) -> list[str]:
+    import torch
+    import torch.distributed as dist
+
+    from cgx_ucx.errors import CollectiveMismatchError
+
+    _init(rank, world, store, timeout_s=30)
+    seen = []
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX):
+        t = torch.full((8,), rank + 1)
+        try:
+            dist.reduce(t, dst=rank, op=op)  # every rank names itself the root
+            seen.append("no error")
+        except CollectiveMismatchError as exc:
+            seen.append(f"mismatch root={rank}" if f"root={rank}" in str(exc) else str(exc))
+        t = torch.full((4,), float(rank + 1))
+        dist.reduce(t, dst=0)  # agreeing ranks: the root has the sum, the others theirs
+        assert t.tolist() == [float(sum(range(1, world + 1))) if rank == 0 else rank + 1.0] * 4
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_reduce_roots_are_signed() -> None:
+    """Review (session 10): reduce with a different dst per rank ran as an allreduce and
+    nobody noticed (each rank kept or dropped the sum by its own idea of the root); the
+    root is part of the signature now, on the summing and the exact (MAX) path."""
+    seen = run_torch_ranks(_reduce_roots, 2, timeout=110)
+    assert seen == [["mismatch root=0"] * 2, ["mismatch root=1"] * 2], seen

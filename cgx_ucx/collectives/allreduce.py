@@ -24,7 +24,7 @@ from ..errors import ConfigError
 from ..layout import Layout
 from ..transport.frames import MIXED_BITS, Algo, Coll, Frame, Op
 from ..transport.mesh import MAX_SLOTS
-from .call import Call, make_template
+from .call import Call, make_template, signed_root
 from .hierarchical import hierarchical, hierarchical_scheme, hierarchical_spec
 from .oneshot import oneshot
 from .piece_codec import requantize_piece
@@ -81,6 +81,7 @@ def prepare_allreduce(
     hierarchy: Any = None,
     cache: dict | None = None,
     in_place: bool = True,
+    root: int | None = None,
 ) -> tuple[Frame, tuple[Any, AllreduceSpec]]:
     """Check an allreduce's arguments (ConfigError for the first bad one) and return its
     signature frame and what :func:`run_allreduce` needs: the flat view of ``x`` and the
@@ -90,10 +91,17 @@ def prepare_allreduce(
     (a communicator's), where the frame and spec of each call are kept by its arguments:
     a training loop repeats the same small calls, and building the plan and signature
     again is a good part of such a call's cost. ``in_place``: the result is written into
-    ``x`` (a read-only ``x`` is refused); False for callers that only read it."""
+    ``x`` (a read-only ``x`` is refused); False for callers that only read it. ``root``:
+    the one rank that keeps the result (torch's reduce): signed (the call is then a
+    ``reduce`` in mismatch messages), so ranks that disagree on it raise a mismatch."""
     flat = as_flat(x, writable=in_place)
+    if root is not None and (
+        isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < world_size
+    ):
+        raise ConfigError(f"root must be a rank in 0..{world_size - 1}, got {root!r}")
     key = _cache_key(flat, op, layout, bits, bucket_size, algorithm, stochastic, seed, cache)
     if key is not None:
+        key = (*key, root)
         hit = cache.get(key)  # type: ignore[union-attr]
         if hit is not None:
             return hit[0], (flat, hit[1])
@@ -101,6 +109,8 @@ def prepare_allreduce(
         flat, op, world_size, layout, bits, bucket_size, algorithm, stochastic, seed, topology,
         hierarchy
     )  # fmt: skip
+    if root is not None:
+        template = template.with_(collective=Coll.REDUCE, digest=signed_root(template.digest, root))
     if key is not None:
         if len(cache) >= PREPARED_CACHE_SIZE:  # type: ignore[arg-type]
             del cache[next(iter(cache))]  # type: ignore[union-attr,arg-type]

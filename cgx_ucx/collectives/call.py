@@ -64,6 +64,16 @@ async def gather_or_cancel(aws: Iterable[Awaitable[Any]]) -> list[Any]:
     return [t.result() for t in tasks]
 
 
+#: Bits of a reduce's signature digest that carry its root (the layout digest keeps the
+#: other 40: still far beyond chance agreement of two different layouts).
+ROOT_BITS = 24
+
+
+def signed_root(digest: int, root: int) -> int:
+    """The signature digest of a reduce to ``root`` of a layout with ``digest``."""
+    return (digest & ~((1 << ROOT_BITS) - 1)) | root
+
+
 def describe(frame: Frame) -> str:
     """Human-readable signature, for mismatch messages."""
     coll = (
@@ -71,15 +81,19 @@ def describe(frame: Frame) -> str:
         if frame.collective in Coll._value2member_map_
         else frame.collective
     )
-    parts = [f"{coll}(numel={frame.numel}"]
+    if frame.collective == Coll.BARRIER:
+        return "barrier()"
     dt = dtype_from_code(frame.dtype)
+    parts = [f"{coll}(numel={frame.numel}"] if frame.collective != Coll.ALLTOALL else [f"{coll}("]
     parts.append(f"dtype={dt if dt is not None else frame.dtype}")
     op = (
         Op(frame.reduce_op).name.lower()
         if frame.reduce_op in Op._value2member_map_
         else frame.reduce_op
     )
-    if frame.collective == Coll.ALLREDUCE:
+    if frame.collective == Coll.REDUCE:
+        parts.append(f"root={frame.digest & ((1 << ROOT_BITS) - 1)}")
+    if frame.collective in (Coll.ALLREDUCE, Coll.REDUCE_SCATTER, Coll.REDUCE):
         algo = (
             Algo(frame.algorithm).name.lower()
             if frame.algorithm in Algo._value2member_map_
@@ -95,7 +109,7 @@ def describe(frame: Frame) -> str:
         parts.append(f"root={frame.digest - 1}")
     if frame.collective == Coll.ALLGATHER and frame.reduce_op:
         parts.append(f"reduced by {op}")
-    return ", ".join(parts) + ")"
+    return (parts[0] + ", ".join(parts[1:]) if parts[0].endswith("(") else ", ".join(parts)) + ")"
 
 
 def make_template(coll: Coll, x: Any, **fields: Any) -> Frame:

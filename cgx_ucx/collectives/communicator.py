@@ -372,6 +372,7 @@ class Communicator:
         algorithm: str = "auto",
         stochastic: bool = False,
         seed: int = 0,
+        root: int | None = None,
     ) -> Any:
         """Sum (or average) ``x`` across ranks, in place; returns ``x``.
 
@@ -382,11 +383,12 @@ class Communicator:
         ``algorithm``: "sra" (scatter-reduce-allgather), "ring", "oneshot" (one round:
         every rank sends its whole buffer to every peer), or "auto" (oneshot for small
         buffers, else SRA up to 8 ranks, else ring). Stochastic rounding is seeded by
-        (seed, sequence number, rank, layer).
+        (seed, sequence number, rank, layer). ``root``: signed as the one rank that keeps
+        the result (torch's reduce; every rank still computes it).
         """
 
         await self._collective(
-            "allreduce",
+            "allreduce" if root is None else "reduce",
             lambda: prepare_allreduce(
                 x,
                 op,
@@ -400,6 +402,7 @@ class Communicator:
                 topology=getattr(self._mesh, "topology", None),
                 hierarchy=getattr(self._mesh, "hierarchy", None),
                 cache=self._prepared,
+                root=root,
             ),
             run_allreduce,
         )

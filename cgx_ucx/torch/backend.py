@@ -54,10 +54,12 @@ from ..config import (
     CommConfig,
     CompressionConfig,
     compression_from_env,
+    environment_problems,
+    raise_problems,
     resolve_comm,
-    validate_environment,
 )
 from ..errors import CGXError, CGXTimeoutError, ConfigError
+from ..transport.topology import hierarchy_problems
 from . import ops
 from . import p2p as _p2p
 from ._convert import as_array
@@ -209,8 +211,11 @@ class ProcessGroupCGX(dist.ProcessGroup):
         self._size = size
         self._comm_config = _comm_config(timeout, options)
         self._compression = options.compression if options is not None else None
-        if self._compression is None:  # CGX_* in use: a bad value fails here, not at a call
-            validate_environment()
+        # Every bad CGX_* value fails here, all named, on every rank alike (not at connect,
+        # where the first rank to find one failed and its peers saw only that it did).
+        raise_problems(
+            environment_problems(compression=self._compression is None) + hierarchy_problems()
+        )
         self._group_name = ""
         self._group_desc = ""
         self._closed = False
@@ -519,7 +524,9 @@ class ProcessGroupCGX(dist.ProcessGroup):
             )
         is_root = self._rank == opts.rootRank
         stage = t.contiguous() if is_root else t.clone(memory_format=torch.contiguous_format)
-        cf, post = ops.allreduce_into(self._view, stage, opts.reduceOp, self.compression)
+        cf, post = ops.allreduce_into(
+            self._view, stage, opts.reduceOp, self.compression, root=opts.rootRank
+        )
 
         def finish(_: Any) -> list[torch.Tensor]:
             post()

@@ -177,12 +177,13 @@ def _one_layer(numel: int, cfg: CompressionConfig | None) -> Layout:
 
 
 def allreduce_into(
-    g: GroupView, t: torch.Tensor, op: Any, cfg: CompressionConfig
+    g: GroupView, t: torch.Tensor, op: Any, cfg: CompressionConfig, root: int | None = None
 ) -> tuple[concurrent.futures.Future[Any], Callable[[], None]]:
     """Start an allreduce of contiguous ``t`` in place.
 
     Returns the engine future and the step to run once it is done (the local
-    reduction of the allgather path; nothing for SUM/AVG).
+    reduction of the allgather path; nothing for SUM/AVG). ``root``: a reduce's root,
+    signed so that ranks disagreeing on it raise a mismatch.
     """
     op = red_op(op)
     if _sums(t, op):
@@ -193,6 +194,7 @@ def allreduce_into(
             layout=_one_layer(arr.size, cfg if is_float(t) and cfg.enabled else None),
             stochastic=cfg.stochastic,
             seed=cfg.seed,
+            **({} if root is None else {"root": root}),
         )
         return cf, _nothing
     kind = _local_kind(t, op)
@@ -200,7 +202,7 @@ def allreduce_into(
     # every rank computes the same value.
     flat = t.view(-1)
     gathered = torch.empty((g.size, flat.numel()), dtype=t.dtype, device=t.device)
-    cf = g.comm.allgather(as_array(flat), out=as_array(gathered), reduce_op=kind)
+    cf = g.comm.allgather(as_array(flat), out=as_array(gathered), reduce_op=kind, root=root)
     return cf, lambda: _local_reduce(kind, gathered, flat)
 
 

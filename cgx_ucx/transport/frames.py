@@ -141,6 +141,7 @@ class Coll(enum.IntEnum):
     P2P = 5  # a point-to-point message (its own phase, see cgx_ucx.collectives.p2p)
     ALLTOALL = 6
     REDUCE_SCATTER = 7
+    REDUCE = 8  # an allreduce whose result one root keeps (torch's reduce): root signed
 
 
 class Op(enum.IntEnum):

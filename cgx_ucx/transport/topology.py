@@ -61,6 +61,7 @@ __all__ = [
     "HierarchyConfig",
     "NodeHints",
     "Topology",
+    "hierarchy_problems",
     "host_identity",
     "resolve_hierarchy",
 ]
@@ -507,7 +508,32 @@ def _env_flag(env: Mapping[str, str], name: str) -> bool | None:
     try:
         return int(raw) > 0
     except ValueError as exc:
-        raise ConfigError(f"{name}={raw!r} is not an integer (0 or 1)") from exc
+        raise ConfigError(
+            f"{name}={raw!r} is not an integer (as torch_cgx reads it: > 0 on, else off)"
+        ) from exc
+
+
+_HIERARCHY_ENV = (
+    (ENV_INTRA_BROADCAST, lambda env: _env_flag(env, ENV_INTRA_BROADCAST)),
+    (ENV_INNER_COMMUNICATOR, lambda env: _env_choice(env, ENV_INNER_COMMUNICATOR, _COMMUNICATORS)),
+    (ENV_INNER_REDUCTION, lambda env: _env_choice(env, ENV_INNER_REDUCTION, _REDUCTION_NAMES)),
+    (ENV_CROSS_REDUCTION, lambda env: _env_choice(env, ENV_CROSS_REDUCTION, _REDUCTION_NAMES)),
+    (ENV_INTRA_COMPRESS, lambda env: _env_flag(env, ENV_INTRA_COMPRESS)),
+    (ENV_INTRA_SHM, lambda env: _env_flag(env, ENV_INTRA_SHM)),
+)
+
+
+def hierarchy_problems(env: Mapping[str, str] | None = None) -> list[str]:
+    """Every bad two-level variable (torch_cgx's and CGX_UCX_INTRA_SHM), one message
+    each; empty when all are good. :func:`resolve_hierarchy` stops at the first."""
+    env = os.environ if env is None else env
+    problems = []
+    for _, read in _HIERARCHY_ENV:
+        try:
+            read(env)
+        except ConfigError as exc:
+            problems.append(str(exc))
+    return problems
 
 
 def resolve_hierarchy(
