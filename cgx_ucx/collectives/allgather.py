@@ -13,7 +13,7 @@ from ..arrays import xp_of
 from ..errors import ConfigError
 from ..transport.frames import Algo, Coll, Frame, Op
 from .broadcast import byte_pieces
-from .call import PH_DATA, Call, gather_or_cancel, make_template
+from .call import PH_DATA, Call, check_root, gather_or_cancel, make_template
 from .staging import as_flat, byte_view, synchronize
 
 __all__ = ["prepare_allgather", "run_allgather"]
@@ -27,10 +27,8 @@ def prepare_allgather(
     the local reduction the gather feeds ("max", "min", "prod", "band", "bor", "bxor");
     ``root``: the one rank that keeps the result (torch's gather). Both are signed, so
     ranks that disagree on them raise a mismatch."""
-    if root is not None and (
-        isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < world_size
-    ):
-        raise ConfigError(f"root must be a rank in 0..{world_size - 1}, got {root!r}")
+    if root is not None:
+        root = check_root(root, world_size)
     op = Op.NONE
     if reduce_op is not None:
         op = Op.__members__.get(str(reduce_op).upper(), Op.NONE)

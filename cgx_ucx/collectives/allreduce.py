@@ -24,7 +24,7 @@ from ..errors import ConfigError
 from ..layout import Layout
 from ..transport.frames import MIXED_BITS, Algo, Coll, Frame, Op
 from ..transport.mesh import MAX_SLOTS
-from .call import Call, make_template, signed_root
+from .call import Call, check_root, make_template, signed_root
 from .hierarchical import hierarchical, hierarchical_scheme, hierarchical_spec
 from .oneshot import oneshot
 from .piece_codec import requantize_piece
@@ -95,10 +95,8 @@ def prepare_allreduce(
     the one rank that keeps the result (torch's reduce): signed (the call is then a
     ``reduce`` in mismatch messages), so ranks that disagree on it raise a mismatch."""
     flat = as_flat(x, writable=in_place)
-    if root is not None and (
-        isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < world_size
-    ):
-        raise ConfigError(f"root must be a rank in 0..{world_size - 1}, got {root!r}")
+    if root is not None:
+        root = check_root(root, world_size)
     key = _cache_key(flat, op, layout, bits, bucket_size, algorithm, stochastic, seed, cache)
     if key is not None:
         key = (*key, root)

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import ConfigError
 from ..transport.frames import Algo, Coll, Frame
 from ..transport.mesh import MAX_SLOTS
-from .call import PH_DATA, Call, gather_or_cancel, make_template
+from .call import PH_DATA, Call, check_root, gather_or_cancel, make_template
 from .plan import PIECE_BYTES
 from .staging import as_flat, byte_view, synchronize
 
@@ -34,8 +33,7 @@ def prepare_broadcast(
     """The signature of broadcasting ``x`` from ``root``; the flat view and the root
     (``rank``: this rank; every rank but the root receives into ``x``)."""
     flat = as_flat(x, writable=rank is not None and rank != root)
-    if not isinstance(root, int) or not 0 <= root < world_size:
-        raise ConfigError(f"root must be a rank in 0..{world_size - 1}, got {root!r}")
+    root = check_root(root, world_size)
     return make_template(Coll.BROADCAST, flat, algorithm=Algo.DIRECT, digest=root), (flat, root)
 
 

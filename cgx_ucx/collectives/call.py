@@ -64,6 +64,15 @@ async def gather_or_cancel(aws: Iterable[Awaitable[Any]]) -> list[Any]:
     return [t.result() for t in tasks]
 
 
+def check_root(root: Any, world_size: int) -> int:
+    """``root`` as a rank of the group (an int, not a bool); ConfigError otherwise."""
+    if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
+        raise ConfigError(f"root must be a rank in 0..{world_size - 1}, got {root!r}")
+    if not 0 <= int(root) < world_size:
+        raise ConfigError(f"root must be a rank in 0..{world_size - 1}, got {root!r}")
+    return int(root)
+
+
 #: Bits of a reduce's signature digest that carry its root (the layout digest keeps the
 #: other 40: still far beyond chance agreement of two different layouts).
 ROOT_BITS = 24
