@@ -28,7 +28,7 @@ from .call import Call, check_root, make_template, signed_root
 from .hierarchical import hierarchical, hierarchical_scheme, hierarchical_spec
 from .oneshot import oneshot
 from .piece_codec import requantize_piece
-from .plan import PIECE_BYTES, make_plan
+from .plan import PIECE_BYTES, flat_piece_bytes, make_plan
 from .reduction import AllreduceSpec
 from .ring import ring
 from .sra import sra
@@ -160,7 +160,12 @@ def _prepare(
     if algo == Algo.ONESHOT:
         plan = make_plan(lay, 1, max(lay.numel, 1), 1)  # one piece: the whole buffer
     else:
-        piece_numel = max(PIECE_BYTES // dtype.itemsize, 1)
+        # Two levels keep the tuned PIECE_BYTES; flat plans grow pieces for large chunks.
+        chunk_bytes = flat.size * dtype.itemsize // max(world_size, 1)
+        piece_bytes = (
+            PIECE_BYTES if scheme is not None else flat_piece_bytes(chunk_bytes, PIECE_BYTES)
+        )
+        piece_numel = max(piece_bytes // dtype.itemsize, 1)
         slots = MAX_SLOTS // max(world_size - 1, 1) if algo == Algo.RING else MAX_SLOTS
         plan = make_plan(lay, world_size, piece_numel, slots)
     spec = AllreduceSpec(
