@@ -123,3 +123,75 @@ async def _await(sync: Any) -> None:
 @pytest.mark.timeout(150)
 def test_gradient_sync_matches_ddp() -> None:
     run_torch_ranks(_sync_job, 2, timeout=140)
+
+
+def _accumulation_job(rank: int, world: int, store: Any) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from cgx_ucx.errors import ConfigError
+    from cgx_ucx.torch import GradientSync
+
+    gloo = join_cgx_with_gloo(rank, world, store)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    sync = GradientSync(model, compression_params={"bits": 32})
+    out: dict[str, Any] = {}
+
+    def backward(seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        model(torch.randn(4, 8, generator=g)).square().mean().backward()
+
+    def exact_mean() -> list[torch.Tensor]:
+        grads = [p.grad.clone() for p in model.parameters()]
+        for t in grads:
+            dist.all_reduce(t, group=gloo)
+            t.div_(world)
+        return grads
+
+    # Every micro-batch under no_sync(), then synchronize: the accumulated gradients are
+    # averaged (they were zeroed before the fix).
+    with sync.no_sync():
+        backward(10 + rank)
+        backward(20 + rank)
+    expected = exact_mean()
+    sync.synchronize()
+    out["no_sync_only"] = max(
+        float((p.grad - e).abs().max()) for p, e in zip(model.parameters(), expected, strict=True)
+    )
+    # A second synchronize without a backward leaves the averages as they are.
+    before = [p.grad.clone() for p in model.parameters()]
+    sync.synchronize()
+    out["twice"] = max(
+        float((p.grad - b).abs().max()) for p, b in zip(model.parameters(), before, strict=True)
+    )
+    model.zero_grad()
+    # A layer frozen after construction keeps grad None (AdamW must not move it).
+    model[0].weight.requires_grad_(False)
+    backward(30 + rank)
+    sync.synchronize()
+    out["frozen_grad"] = model[0].weight.grad
+    model.zero_grad()
+    model[0].weight.requires_grad_(True)
+    # A layer replaced after construction: refused, not silently left un-averaged.
+    model[2] = torch.nn.Linear(16, 3)
+    backward(40 + rank)
+    try:
+        sync.synchronize()
+        out["replaced"] = "no error"
+    except ConfigError as exc:
+        out["replaced"] = str(exc)
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_accumulation_repeats_frozen_and_replaced_layers() -> None:
+    """Review (session 10): synchronize() zeroed every gradient when no hook had
+    delivered one since the last call (all micro-batches under no_sync(), or a second
+    call), layers frozen after construction got zero gradients (weight decay moved
+    them), and a replaced layer was silently never averaged."""
+    for res in run_torch_ranks(_accumulation_job, 2, timeout=140):
+        assert res["no_sync_only"] < 1e-6, res
+        assert res["twice"] < 1e-6, res
+        assert res["frozen_grad"] is None, res
+        assert "'2.weight' has a gradient but is not synchronized" in res["replaced"], res

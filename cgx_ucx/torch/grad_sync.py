@@ -22,8 +22,11 @@ How (numbered as in PyTorch's comm hooks):
    index order on every rank, so ranks whose autograd order differs still pair the
    same buckets (the engine pairs collectives by sequence number).
 3. ``synchronize()`` starts the buckets whose parameters got no gradient in this
-   backward (their values count as zero, as DDP's find_unused_parameters), waits for
-   all with the communicator's timeout, and writes the averages into ``param.grad``.
+   backward (each contributes its ``param.grad`` as it is, zeros without one: so a
+   parameter used on some ranks gets their average, as DDP's find_unused_parameters),
+   waits for all with the communicator's timeout, and writes the averages into
+   ``param.grad`` (not for parameters frozen since construction). Unlike DDP, a
+   parameter no rank used gets a zero gradient rather than None.
 4. With an adaptive ``policy``: each bucket shows the policy this rank's gradients
    before it is divided (``policy.observe``: work only on the steps before a decision
    and on logging steps). After the averages are written, every rank runs the
@@ -116,6 +119,7 @@ class GradientSync:
         policy_params: Mapping[str, Any] | None = None,
         log_every: int = DEFAULT_LOG_EVERY,
     ) -> None:
+        self._module = model_or_params if isinstance(model_or_params, torch.nn.Module) else None
         if isinstance(model_or_params, torch.nn.Module):
             named = named_parameters(model_or_params)
         else:  # tensors, or (name, tensor) pairs
@@ -305,21 +309,50 @@ class GradientSync:
 
     # -- synchronization -------------------------------------------------------------------
     def _start_rest(self) -> list[concurrent.futures.Future[Any]]:
-        """Fill what no hook delivered with zeros, start the rest; return all futures."""
+        """Fill what no hook delivered, start the rest; return all futures.
+
+        A parameter no hook delivered contributes its ``param.grad`` as it is (what
+        backward passes under :meth:`no_sync` accumulated, or what a previous
+        synchronize left), or zeros without one or when it no longer requires grad
+        (review, session 10: it always contributed zeros, so a synchronize after
+        accumulating only under no_sync(), or a second synchronize, zeroed every
+        gradient)."""
         with self._lock:
+            self._check_model()
             for b in self._buckets[self._next :]:
                 for slot, p in enumerate(b.params):
                     if slot not in b.ready:
                         off = b.offsets[slot]
-                        b.buffer[off : off + p.numel()].zero_()
+                        view = b.buffer[off : off + p.numel()]
+                        grad = p.grad if p.requires_grad else None
+                        if grad is None or grad.is_sparse:
+                            view.zero_()
+                        else:
+                            view.copy_(grad.reshape(-1))
                         b.ready.add(slot)
             self._start_ready()
             return [b.future for b in self._buckets if b.future is not None]
+
+    def _check_model(self) -> None:
+        """A module given at construction that now holds parameters with a gradient and
+        no hook (a layer replaced or added later) would leave them un-averaged and the
+        replicas apart: refuse (review, session 10)."""
+        if self._module is None:
+            return
+        for name, p in self._module.named_parameters():
+            if p.grad is not None and id(p) not in self._slot:
+                raise ConfigError(
+                    f"parameter {name!r} has a gradient but is not synchronized: the model "
+                    "changed after GradientSync was built; build a new GradientSync "
+                    "(after remove() on this one)"
+                )
 
     def _finish(self) -> None:
         """Write the averages into ``param.grad`` and reset for the next step."""
         for b in self._buckets:
             for p, off in zip(b.params, b.offsets, strict=True):
+                if not p.requires_grad:
+                    continue  # frozen since construction: its gradient stays as it is
                 avg = b.buffer[off : off + p.numel()].view_as(p)
                 if p.grad is None:
                     p.grad = avg.clone()
