@@ -291,13 +291,10 @@ class ProcessGroupCGX(dist.ProcessGroup):
         cf: Any,
         finish: Callable[[Any], Any],
         timeout: Any = None,
-        trivial: bool = False,
     ) -> CGXWork:
-        """The Work of engine future ``cf``; ``trivial``: ``finish`` runs no torch op
-        worth a thread (host tensors, nothing to copy back), see CGXWork.from_future."""
         secs = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else None
         limit = secs if secs is not None and secs > 0 else self._comm_config.timeout
-        return CGXWork.from_future(what, limit, cf, finish, trivial=trivial)
+        return CGXWork.from_future(what, limit, cf, finish)
 
     @staticmethod
     def _single(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
@@ -331,8 +328,7 @@ class ProcessGroupCGX(dist.ProcessGroup):
             back()
             return tensors
 
-        trivial = t.device.type == "cpu" and ops.is_nothing(post) and ops.is_nothing(back)
-        return self._work("allreduce", cf, finish, opts.timeout, trivial)
+        return self._work("allreduce", cf, finish, opts.timeout)
 
     @_tells_peers
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> CGXWork:
@@ -584,7 +580,7 @@ class ProcessGroupCGX(dist.ProcessGroup):
     def barrier(self, opts: Any = None) -> CGXWork:
         self._check_open()
         cf = self._comm.barrier()
-        return self._work("barrier", cf, lambda _: [], _timeout_of(opts), trivial=True)
+        return self._work("barrier", cf, lambda _: [], _timeout_of(opts))
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
         """A barrier bounded by ``timeout``: past it, a CGXTimeoutError naming every rank

@@ -96,7 +96,6 @@ class TorchBridge:
         finish: Callable[[Any], Any],
         done: Callable[[BaseException | None], None] | None = None,
         future: torch.futures.Future[Any] | None = None,
-        inline: bool = False,
     ) -> None:
         self.src = src
         self.future: torch.futures.Future[Any] = (
@@ -107,27 +106,13 @@ class TorchBridge:
         self._lock = threading.Lock()
         self._claimed = False
         self._waiters = 0
-        #: The torch future is private (no callbacks can be chained on it) and ``finish``
-        #: is trivial: the loop thread may complete it (see CGXWork.from_future).
-        self._inline = inline
         src.add_done_callback(self._on_done)
-
-    def expose(self) -> None:
-        """The torch future is handed out: from now on never complete it on the loop."""
-        with self._lock:
-            self._inline = False
 
     def _on_done(self, _: concurrent.futures.Future[Any]) -> None:
         # On the engine's loop thread: never run user code here.
         with self._lock:
             if self._claimed or self._waiters:
                 return  # a waiter completes it (see wait)
-            inline = self._inline
-            if inline:
-                self._claimed = True
-        if inline:  # no user code can run: nothing is chained on the private future
-            _complete(self.src, self.future, self._finish, self._done)
-            return
         try:
             completion_executor().submit(self.complete)
         except RuntimeError:  # pool shut down at interpreter exit: complete inline

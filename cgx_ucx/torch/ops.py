@@ -77,11 +77,6 @@ class Pending:
     finish: Callable[[Any], Any]
 
 
-def is_nothing(step: Callable[..., Any]) -> bool:
-    """Whether ``step`` (a post or write-back step of this module) does nothing."""
-    return step is _nothing
-
-
 def _nothing() -> None:
     return None
 

@@ -71,23 +71,15 @@ class CGXWork(_TorchWork):
         timeout: float,
         source: concurrent.futures.Future[Any],
         finish: Callable[[Any], Any],
-        *,
-        trivial: bool = False,
     ) -> CGXWork:
         """The work of ``what`` completed by the engine future ``source``.
 
         ``finish(result)`` runs on a completion thread, or on the thread blocked in
         :meth:`wait`, and returns the work's result (the output tensors); ``wait()``
-        waits at most ``timeout`` seconds by default. ``trivial``: ``finish`` is cheap
-        and runs no device work, so while nobody holds the torch future (no
-        :meth:`get_future`, hence no chained user code) a collective that ends before
-        its ``wait()`` completes the work where it ends, on the engine's loop, instead
-        of waking a completion thread that the caller's ``wait()`` then waits for.
+        waits at most ``timeout`` seconds by default.
         """
         work = cls(what, timeout)
-        work._bridge = TorchBridge(
-            source, finish, done=work.mark_done, future=work._future, inline=trivial
-        )
+        work._bridge = TorchBridge(source, finish, done=work.mark_done, future=work._future)
         return work
 
     def attach(self, future: torch.futures.Future[Any]) -> None:
@@ -129,8 +121,6 @@ class CGXWork(_TorchWork):
         return True
 
     def get_future(self) -> torch.futures.Future[Any]:
-        if self._bridge is not None:
-            self._bridge.expose()  # user code may chain on it: complete off the loop
         return self._future
 
     def is_completed(self) -> bool:
