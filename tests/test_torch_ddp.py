@@ -147,3 +147,51 @@ def test_ddp_cgx_hook_against_gloo() -> None:
     # 4 bits send far fewer bytes than 32 (about 6x on this model: biases stay fp32).
     assert per_step["cgx4"] * 4 < per_step["cgx32"], per_step
     assert per_step["cgx8"] < per_step["cgx32"]
+
+
+def _ddp_peer_dies(rank: int, world: int, store: Any) -> str:
+    import os
+
+    import torch
+    from harness import DEAD_EXIT
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from cgx_ucx.torch import CGXState, cgx_hook
+
+    join_cgx_with_gloo(rank, world, store)
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(64, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024)]
+    model = DDP(torch.nn.Sequential(*layers, torch.nn.Linear(1024, 10)), bucket_cap_mb=1)
+    model.register_comm_hook(CGXState(None), cgx_hook)
+
+    class DieInBackward(torch.autograd.Function):
+        """Rank 1 dies half-way through backward: rank 0's later buckets are in flight."""
+
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            if rank == 1:
+                os._exit(DEAD_EXIT)
+            return g
+
+    try:
+        for step in range(5):
+            x = torch.randn(4, 64)
+            h = model.module[1](model.module[0](x))
+            out = model(x) + (DieInBackward.apply(h).sum() * 0 if step == 2 else 0)
+            out.square().mean().backward()
+    except RuntimeError as exc:  # the typed error itself, or DDP's RuntimeError naming it
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_a_lost_peer_inside_the_ddp_hook_names_the_cgx_error() -> None:
+    """Review (session 10): DDP re-raised the hook's failure as "Unable to cast rank 1 is
+    gone ... to Tensor" (torch's Python Future.set_exception stores the error as the
+    value): the hook's future now fails through a then(), and the message names it."""
+    text = run_torch_ranks(_ddp_peer_dies, 2, timeout=110, expect_dead=[1])[0]
+    assert "PeerLostError" in text and "Unable to cast" not in text, text

@@ -160,6 +160,8 @@ def unsupported(rank, world, store):
     for call in (
         lambda: dist.all_reduce(sparse),
         lambda: dist.send(torch.zeros(1), (rank + 1) % world, tag=1 << 20),
+        # an expanded (stride 0) view: refused before the call, not after it ran (review)
+        lambda: dist.all_reduce(torch.ones(1).expand(5)),
     ):
         try:
             call()
@@ -173,6 +175,7 @@ def unsupported(rank, world, store):
 @pytest.mark.timeout(120)
 def test_unsupported_ops_raise_a_cgx_error_naming_them():
     msgs = run_torch_ranks(unsupported, 2, timeout=100)[0]
-    assert len(msgs) == 2
+    assert len(msgs) == 3
     assert "dense" in msgs[0]
     assert "tag must be" in msgs[1]
+    assert "expanded view" in msgs[2]

@@ -544,3 +544,28 @@ def test_flat_allreduce_pieces_grow_for_large_chunks():
     assert {p.stop - p.start for c in spec.plan.chunks for p in c.pieces} == {2 * mib}
     _, (_, spec) = prepare_allreduce(np.zeros(4 * mib, np.float32), "sum", world_size=2, bits=4)
     assert {p.stop - p.start for c in spec.plan.chunks for p in c.pieces} == {mib}
+
+
+def test_env_rendezvous_under_torchrun_agent_joins_its_store(monkeypatch):
+    """Review (session 10): under torchrun (TORCHELASTIC_USE_AGENT_STORE=True) every rank
+    0 tried to serve the agent's store and logged a failed bind; it joins it as a client
+    now, under the restart's prefix, as torch's own env:// does."""
+    import datetime
+
+    pytest.importorskip("torch")
+    from torch.distributed import TCPStore
+
+    from cgx_ucx.transport.rendezvous import env_store
+
+    agent = TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(agent.port))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    store, rank, world = env_store(10.0)
+    assert (rank, world) == (0, 1)
+    store.set("cgx_probe", "1")
+    agent.set_timeout(datetime.timedelta(seconds=5))
+    assert agent.get("/worker/attempt_2/cgx_probe") == b"1"

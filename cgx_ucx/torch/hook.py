@@ -363,4 +363,12 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
     )
     # 6. Stats (the last bucket ends the step).
     state.record_sent(wire_bytes(layout, buf.element_size(), state.world_size), last=last)
-    return to_torch_future(cf, lambda _: buf)
+    # 7. Through a then(): torch's Python Future.set_exception stores the error as the
+    # future's value, which DDP's reducer then tried to cast to a Tensor ("Unable to cast
+    # rank 1 is gone ... to Tensor"); a callback that raises marks the chained future
+    # failed, so DDP re-raises "... PeerLostError: rank 1 is gone" (review, session 10).
+    return to_torch_future(cf, lambda _: buf).then(_unwrap)
+
+
+def _unwrap(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+    return fut.value()

@@ -95,6 +95,14 @@ def staged(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
         )
     if t.is_contiguous():
         return t, _nothing
+    if any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride(), strict=True)):
+        # An expanded view: several elements share one memory location, so no result can
+        # be written into it (torch refused the copy back after the call had run; review).
+        raise ConfigError(
+            f"the cgx backend writes results into the tensor, and this one (shape "
+            f"{tuple(t.shape)}, strides {t.stride()}) is an expanded view whose elements "
+            "share memory: pass .clone() or .contiguous()"
+        )
     stage = t.contiguous()
     return stage, lambda: t.copy_(stage)
 

@@ -151,17 +151,24 @@ def env_store(timeout: float) -> tuple[Any, int, int]:
     except ValueError as exc:
         raise ConfigError(f"env:// variables must be integers: {exc}") from exc
     try:
-        from torch.distributed import TCPStore
+        from torch.distributed import PrefixStore, TCPStore
     except ImportError as exc:
         raise ConfigError("env:// rendezvous needs torch; pass store= otherwise") from exc
+    # Under torchrun's agent the store is already served: join it as a client, under
+    # this restart's prefix, as torch's own env:// does (every rank tried to serve it,
+    # and every rank but one logged a failed bind; review, session 10).
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     store = TCPStore(
         os.environ["MASTER_ADDR"],
         port,
         world,
-        is_master=rank == 0,
+        is_master=rank == 0 and not agent,
         timeout=datetime.timedelta(seconds=timeout),
         wait_for_workers=False,
     )
+    if agent:
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = PrefixStore(f"/worker/attempt_{attempt}", store)
     return store, rank, world
 
 
