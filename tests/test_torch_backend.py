@@ -444,3 +444,42 @@ def test_reduce_roots_are_signed() -> None:
     root is part of the signature now, on the summing and the exact (MAX) path."""
     seen = run_torch_ranks(_reduce_roots, 2, timeout=110)
     assert seen == [["mismatch root=0"] * 2, ["mismatch root=1"] * 2], seen
+
+
+_NO_DESTROY = """
+import torch, torch.distributed as dist
+import cgx_ucx
+dist.init_process_group("cgx")
+t = torch.ones(4)
+dist.all_reduce(t)
+assert t.tolist() == [2.0] * 4
+"""
+
+
+@pytest.mark.timeout(120)
+def test_an_exit_without_destroy_says_bye_and_warns_nobody(tmp_path) -> None:
+    """Review (session 10): a job ending without destroy_process_group() said BYE to
+    nobody, and every rank logged a WARNING that its peer was gone. The groups still
+    open are closed at interpreter exit now."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "no_destroy.py"
+    script.write_text(_NO_DESTROY)
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script)], env=env, stderr=subprocess.PIPE, text=True
+            )
+        )
+    for p in procs:
+        _, err = p.communicate(timeout=100)
+        assert p.returncode == 0, err
+        assert "is gone" not in err and "communicator failed" not in err, err
