@@ -31,6 +31,7 @@ __all__ = [
     "as_uint8_buffer",
     "check_bits",
     "check_positive_int",
+    "check_root",
     "check_seconds",
     "check_seed",
     "is_array",
@@ -182,6 +183,18 @@ def check_seed(seed: Any, what: str = "seed") -> int:
     if not 0 <= seed < SEED_LIMIT:
         raise ConfigError(f"{what} must be an integer in [0, 2**64), got {seed}")
     return seed
+
+
+def check_root(root: Any, world_size: int, what: str = "root") -> int:
+    """``root`` as a rank of a group of ``world_size`` (an int, not a bool); ConfigError
+    otherwise."""
+    if (
+        isinstance(root, bool)
+        or not isinstance(root, (int, np.integer))
+        or not 0 <= int(root) < world_size
+    ):
+        raise ConfigError(f"{what} must be a rank in 0..{world_size - 1}, got {root!r}")
+    return int(root)
 
 
 #: The longest timeout: every wait has a finite deadline, and the platform's timed waits

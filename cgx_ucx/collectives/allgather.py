@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..arrays import xp_of
+from ..arrays import check_root, xp_of
 from ..errors import ConfigError
 from ..transport.frames import Algo, Coll, Frame, Op
 from .broadcast import byte_pieces
-from .call import PH_DATA, Call, check_root, gather_or_cancel, make_template
+from .call import PH_DATA, Call, gather_or_cancel, make_template
 from .staging import as_flat, byte_view, synchronize
 
 __all__ = ["prepare_allgather", "run_allgather"]

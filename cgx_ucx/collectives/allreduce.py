@@ -18,13 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from ..arrays import CODEC_DTYPES, check_seed, is_cupy
+from ..arrays import CODEC_DTYPES, check_root, check_seed, is_cupy
 from ..config import NO_COMPRESSION_BITS
 from ..errors import ConfigError
 from ..layout import Layout
 from ..transport.frames import MIXED_BITS, Algo, Coll, Frame, Op
 from ..transport.mesh import MAX_SLOTS
-from .call import Call, check_root, make_template, signed_root
+from .call import Call, make_template, signed_root
 from .hierarchical import hierarchical, hierarchical_scheme, hierarchical_spec
 from .oneshot import oneshot
 from .piece_codec import requantize_piece

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..arrays import check_root
 from ..transport.frames import Algo, Coll, Frame
 from ..transport.mesh import MAX_SLOTS
-from .call import PH_DATA, Call, check_root, gather_or_cancel, make_template
+from .call import PH_DATA, Call, gather_or_cancel, make_template
 from .plan import PIECE_BYTES
 from .staging import as_flat, byte_view, synchronize
 

@@ -64,15 +64,6 @@ async def gather_or_cancel(aws: Iterable[Awaitable[Any]]) -> list[Any]:
     return [t.result() for t in tasks]
 
 
-def check_root(root: Any, world_size: int) -> int:
-    """``root`` as a rank of the group (an int, not a bool); ConfigError otherwise."""
-    if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
-        raise ConfigError(f"root must be a rank in 0..{world_size - 1}, got {root!r}")
-    if not 0 <= int(root) < world_size:
-        raise ConfigError(f"root must be a rank in 0..{world_size - 1}, got {root!r}")
-    return int(root)
-
-
 #: Bits of a reduce's signature digest that carry its root (the layout digest keeps the
 #: other 40: still far beyond chance agreement of two different layouts).
 ROOT_BITS = 24
@@ -81,6 +72,11 @@ ROOT_BITS = 24
 def signed_root(digest: int, root: int) -> int:
     """The signature digest of a reduce to ``root`` of a layout with ``digest``."""
     return (digest & ~((1 << ROOT_BITS) - 1)) | root
+
+
+def root_of(digest: int) -> int:
+    """The root a reduce's signature digest carries (:func:`signed_root`)."""
+    return digest & ((1 << ROOT_BITS) - 1)
 
 
 def describe(frame: Frame) -> str:
@@ -93,7 +89,8 @@ def describe(frame: Frame) -> str:
     if frame.collective == Coll.BARRIER:
         return "barrier()"
     dt = dtype_from_code(frame.dtype)
-    parts = [f"{coll}(numel={frame.numel}"] if frame.collective != Coll.ALLTOALL else [f"{coll}("]
+    # alltoall signs no numel (its blocks differ per rank)
+    parts = [] if frame.collective == Coll.ALLTOALL else [f"numel={frame.numel}"]
     parts.append(f"dtype={dt if dt is not None else frame.dtype}")
     op = (
         Op(frame.reduce_op).name.lower()
@@ -101,7 +98,7 @@ def describe(frame: Frame) -> str:
         else frame.reduce_op
     )
     if frame.collective == Coll.REDUCE:
-        parts.append(f"root={frame.digest & ((1 << ROOT_BITS) - 1)}")
+        parts.append(f"root={root_of(frame.digest)}")
     if frame.collective in (Coll.ALLREDUCE, Coll.REDUCE_SCATTER, Coll.REDUCE):
         algo = (
             Algo(frame.algorithm).name.lower()
@@ -118,7 +115,7 @@ def describe(frame: Frame) -> str:
         parts.append(f"root={frame.digest - 1}")
     if frame.collective == Coll.ALLGATHER and frame.reduce_op:
         parts.append(f"reduced by {op}")
-    return (parts[0] + ", ".join(parts[1:]) if parts[0].endswith("(") else ", ".join(parts)) + ")"
+    return f"{coll}({', '.join(parts)})"
 
 
 def make_template(coll: Coll, x: Any, **fields: Any) -> Frame:

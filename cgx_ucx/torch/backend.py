@@ -50,6 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..arrays import check_root
 from ..config import (
     CommConfig,
     CompressionConfig,
@@ -522,10 +523,7 @@ class ProcessGroupCGX(dist.ProcessGroup):
         self._check_open()
         opts = opts if opts is not None else dist.ReduceOptions()
         t = self._single(tensors, "reduce")
-        if not 0 <= opts.rootRank < self._size:  # else no rank would keep the result
-            raise ConfigError(
-                f"reduce: root must be a rank in 0..{self._size - 1}, got {opts.rootRank}"
-            )
+        check_root(opts.rootRank, self._size, "reduce: root")  # else nobody keeps the sum
         is_root = self._rank == opts.rootRank
         stage = t.contiguous() if is_root else t.clone(memory_format=torch.contiguous_format)
         cf, post = ops.allreduce_into(
