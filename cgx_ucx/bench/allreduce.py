@@ -48,7 +48,7 @@ from .report import (
     Progress,
     add_output_args,
     bits_arg,
-    check_memory,
+    check_rank_buffers,
     count_arg,
     format_table,
     positive_number,
@@ -256,19 +256,11 @@ def _perftest(nbytes: int, iters: int) -> float | None:
 def _check_memory(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Usage errors for sizes whose buffers cannot fit in this machine's memory."""
     world, largest = max(args.world), max(args.sizes)
-    check_memory(
-        ap,
-        "--sizes",
-        world * BUFFERS_PER_RANK * largest * MiB,
-        f"{largest:g} MiB on {world} ranks: {BUFFERS_PER_RANK} buffers of that size per rank",
-    )
+    check_rank_buffers(ap, "--sizes", world, BUFFERS_PER_RANK, largest * MiB, f"{largest:g} MiB")
     if not args.no_p2p and 2 in args.world:
         largest = max(args.p2p_sizes)
-        check_memory(
-            ap,
-            "--p2p-sizes",
-            2 * P2P_BUFFERS_PER_RANK * largest * MiB,
-            f"{largest:g} MiB on 2 ranks: {P2P_BUFFERS_PER_RANK} buffers of that size per rank",
+        check_rank_buffers(
+            ap, "--p2p-sizes", 2, P2P_BUFFERS_PER_RANK, largest * MiB, f"{largest:g} MiB"
         )
 
 

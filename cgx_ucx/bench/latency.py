@@ -43,7 +43,7 @@ from .report import (
     HelpFormatter,
     add_output_args,
     bits_arg,
-    check_memory,
+    check_rank_buffers,
     count_arg,
     format_table,
     positive_number,
@@ -417,11 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     add_output_args(ap)
     args = ap.parse_args(argv)
     world, largest = max(args.world), max(args.sizes_kib)
-    check_memory(
-        ap,
-        "--sizes-kib",
-        world * BUFFERS_PER_RANK * largest * KiB,
-        f"{largest:g} KiB on {world} ranks: {BUFFERS_PER_RANK} buffers of that size per rank",
+    check_rank_buffers(
+        ap, "--sizes-kib", world, BUFFERS_PER_RANK, largest * KiB, f"{largest:g} KiB"
     )
     opts = {"sizes_kib": args.sizes_kib, "bits": args.bits, "iters": args.iters, "cold": args.cold}
     load_before = os.getloadavg()

@@ -73,7 +73,7 @@ from .report import (
     add_output_args,
     arg_error,
     bits_arg,
-    check_memory,
+    check_rank_buffers,
     count_arg,
     format_table,
     nonnegative_number,
@@ -175,12 +175,7 @@ def check_sizes(
     """A usage error when ``ranks`` ranks of this machine cannot hold the largest of
     ``sizes`` (:data:`BUFFERS_PER_RANK` buffers each) in its physical memory."""
     largest = max(sizes)
-    check_memory(
-        parser,
-        option,
-        ranks * BUFFERS_PER_RANK * largest,
-        f"{size_label(largest)} on {ranks} ranks: {BUFFERS_PER_RANK} buffers of that size per rank",
-    )
+    check_rank_buffers(parser, option, ranks, BUFFERS_PER_RANK, largest, size_label(largest))
 
 
 def size_label(size: int) -> str:

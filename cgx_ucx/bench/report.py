@@ -19,6 +19,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
+from ..arrays import check_bits
+from ..errors import ConfigError
+
 __all__ = [
     "DEFAULT_RESULTS_ROOT",
     "MAX_LOCAL_RANKS",
@@ -28,6 +31,7 @@ __all__ = [
     "arg_error",
     "bits_arg",
     "check_memory",
+    "check_rank_buffers",
     "count_arg",
     "default_results_dir",
     "format_table",
@@ -182,19 +186,39 @@ def check_memory(parser: argparse.ArgumentParser, option: str, nbytes: float, wh
         )
 
 
+def check_rank_buffers(
+    parser: argparse.ArgumentParser,
+    option: str,
+    ranks: int,
+    per_rank: int,
+    nbytes: float,
+    label: str,
+) -> None:
+    """:func:`check_memory` for ``ranks`` ranks that each hold ``per_rank`` buffers of
+    ``nbytes`` (``label``: that size as the user gave it, e.g. "64 MiB")."""
+    check_memory(
+        parser,
+        option,
+        ranks * per_rank * nbytes,
+        f"{label} on {ranks} ranks: {per_rank} buffers of that size per rank",
+    )
+
+
 def _gib(nbytes: float) -> str:
     return f"{nbytes / (1 << 30):.3g} GiB"
 
 
 def bits_arg(text: str) -> int:
-    """An argparse ``type``: a bit width the codec has, 1..8 or 32 (uncompressed)."""
+    """An argparse ``type``: a bit width the codec has, 1..8 or 32 (uncompressed), as
+    :func:`cgx_ucx.arrays.check_bits` accepts it."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"bits must be an integer, got {text!r}") from None
-    if not (1 <= value <= 8 or value == 32):
-        raise argparse.ArgumentTypeError(f"bits must be 1..8 or 32 (uncompressed), got {value}")
-    return value
+    try:
+        return check_bits(value)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_output_args(parser: argparse.ArgumentParser) -> None:
