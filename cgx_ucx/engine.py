@@ -25,7 +25,9 @@ import threading
 from collections.abc import Coroutine
 from typing import Any
 
+from .collectives.barrier import prepare_barrier
 from .collectives.communicator import CommStats, Communicator, connect
+from .collectives.local import AllreduceOp, BarrierOp
 from .config import CommConfig
 from .errors import CGXTimeoutError, TransportError
 
@@ -155,6 +157,10 @@ class SyncCommunicator:
         self._comm = comm
         self._closed = False
         self._submitted = 0
+        #: Calls submitted to the engine and not done yet; a mailbox collective runs on
+        #: the caller's thread only while there are none (DESIGN.md, "Threads and loops").
+        self._in_flight = 0
+        self._lock = threading.Lock()
 
     @property
     def rank(self) -> int:
@@ -190,12 +196,53 @@ class SyncCommunicator:
         if self._closed:
             coro.close()
             raise TransportError("the communicator is closed")
-        fut = self._engine.submit(coro)
-        self._submitted += 1
+        with self._lock:
+            fut = self._engine.submit(coro)
+            self._submitted += 1
+            self._in_flight += 1
+        fut.add_done_callback(self._landed)
+        return fut
+
+    def _landed(self, _: Any) -> None:
+        with self._lock:
+            self._in_flight -= 1
+
+    def _local(
+        self, name: str, prepare: Any, local: Any, result: Any
+    ) -> concurrent.futures.Future | None:
+        """Run a mailbox collective on this thread (:meth:`Communicator.run_local`): no
+        hop to the engine loop and back. None where it does not apply (then submit)."""
+        if self._closed or self._comm.mailbox is None:
+            return None
+        with self._lock:
+            if self._in_flight:
+                return None  # queued behind the engine's calls, to keep call order
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            try:
+                ran, rest = self._comm.run_local(name, prepare, local, result)
+            except BaseException as exc:
+                self._submitted += 1
+                fut.set_exception(exc)
+                return fut
+            if not ran:
+                return None
+            self._submitted += 1
+            if rest is not None:  # a peer is late: the engine loop waits for it
+                fut = self._engine.submit(rest)
+                self._in_flight += 1
+        if rest is not None:
+            fut.add_done_callback(self._landed)
+        else:
+            fut.set_result(result)
         return fut
 
     def allreduce(self, x: Any, op: str = "sum", **kwargs: Any) -> concurrent.futures.Future:
         """Submit :meth:`Communicator.allreduce`; same keywords (layout, bits, ...)."""
+        if self._comm.mailbox is not None:
+            name, prepare = self._comm.allreduce_call(x, op, **kwargs)
+            fut = self._local(name, prepare, AllreduceOp.of, x)
+            if fut is not None:
+                return fut
         return self._submit(self._comm.allreduce(x, op, **kwargs))
 
     def broadcast(self, x: Any, root: int = 0) -> concurrent.futures.Future:
@@ -207,7 +254,8 @@ class SyncCommunicator:
         return self._submit(self._comm.allgather(x, out, reduce_op, root))
 
     def barrier(self) -> concurrent.futures.Future:
-        return self._submit(self._comm.barrier())
+        fut = self._local("barrier", prepare_barrier, BarrierOp.of, None)
+        return fut if fut is not None else self._submit(self._comm.barrier())
 
     def late_peers(self) -> concurrent.futures.Future:
         """Submit :meth:`Communicator.late_peers`."""

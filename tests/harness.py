@@ -52,6 +52,7 @@ from typing import Any
 
 __all__ = [
     "DEAD_EXIT",
+    "MESSAGES_ONLY",
     "DirStore",
     "RankContext",
     "RankFailed",
@@ -62,6 +63,9 @@ __all__ = [
 
 #: Exit code of a rank that a test kills on purpose (see ``expect_dead``).
 DEAD_EXIT = 17
+#: ``env`` for tests about messages: without it, a one-host group's small collectives go
+#: through node-local mailboxes instead (tests/test_mailbox.py covers those).
+MESSAGES_ONLY = {"CGX_UCX_INTRA_SHM": "0"}
 
 
 class DirStore:

@@ -61,9 +61,9 @@ async def warm_up_at_connect(ctx):
     calls = []
     collective = communicator.Communicator._collective
 
-    async def spy(self, name, prepare, body, seq=None):
+    async def spy(self, name, prepare, body, seq=None, **kwargs):
         calls.append((name, self._seq if seq is None else seq))
-        return await collective(self, name, prepare, body, seq)
+        return await collective(self, name, prepare, body, seq, **kwargs)
 
     communicator.Communicator._collective = spy
     async with await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG) as comm:

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from harness import DEAD_EXIT, run_ranks
+from harness import DEAD_EXIT, MESSAGES_ONLY, run_ranks
 
 from cgx_ucx.collectives import connect
 from cgx_ucx.config import CommConfig
@@ -509,7 +509,9 @@ async def exchange_refuses_a_separate_payload(ctx):
 def test_one_round_exchange_refuses_payloads_that_cannot_go_inline():
     """A payload sent as a message of its own could wait for a rendezvous that its
     receiver posts only after the round: refused before anything is posted."""
-    for kind, sent in run_ranks(exchange_refuses_a_separate_payload, 2, timeout=50):
+    for kind, sent in run_ranks(
+        exchange_refuses_a_separate_payload, 2, timeout=50, env=MESSAGES_ONLY
+    ):
         assert "inline payloads only" in kind, kind
         assert sent == 1  # the barrier's SIG frame only
 
@@ -533,7 +535,7 @@ async def malformed_while_a_peer_is_late(ctx):
 def test_malformed_header_fails_the_round_before_a_late_peer_arrives():
     """Rank 0 checks each header of a one-round call as it arrives: rank 1's junk fails
     the call at once, not once the late rank 2 has sent its own header."""
-    results = run_ranks(malformed_while_a_peer_is_late, 3, timeout=50)
+    results = run_ranks(malformed_while_a_peer_is_late, 3, timeout=50, env=MESSAGES_ONLY)
     kind0, elapsed0 = results[0]
     assert kind0 == "ProtocolError" and elapsed0 < 3.0, results[0]
 
@@ -545,7 +547,7 @@ def test_malformed_frame_is_protocol_error_on_both_ranks(algorithm):
     not dropped. Rank 1 learns it from rank 0's ABORT, or (rank 0's frame already sent)
     completes that call correctly and fails the next one naming rank 0; never a hang,
     never wrong numbers."""
-    results = run_ranks(malformed_frame, 2, args=(algorithm,), timeout=50)
+    results = run_ranks(malformed_frame, 2, args=(algorithm,), timeout=50, env=MESSAGES_ONLY)
     kind, text, elapsed, lost = results[0]
     assert kind == "ProtocolError" and "rank 1" in text, results[0]
     assert elapsed < CFG.timeout / 2 and lost is None, results[0]

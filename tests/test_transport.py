@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from harness import DirStore, run_ranks
+from harness import MESSAGES_ONLY, DirStore, run_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -444,7 +444,7 @@ async def inline_boundary(ctx):
 
 @pytest.mark.timeout(60)
 def test_inline_boundary_payloads_round_trip():
-    results = run_ranks(inline_boundary, 2, timeout=50)
+    results = run_ranks(inline_boundary, 2, timeout=50, env=MESSAGES_ONLY)
     for rank, out in enumerate(results):
         for nbytes, (p2p_ok, p2p_msgs, ar_ok, ar_msgs) in out.items():
             messages = 1 if nbytes <= MAX_INLINE_NBYTES else 2

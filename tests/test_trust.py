@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from harness import run_ranks
+from harness import MESSAGES_ONLY, run_ranks
 
 from cgx_ucx.collectives import connect
 from cgx_ucx.config import CommConfig
@@ -126,7 +126,9 @@ def test_injected_data_frames_are_never_accepted(foreign_job):
     made rank 0's next allreduce return 1001.0 instead of 3.0 (member job id), or killed
     the job blaming the live rank 1 (foreign job id). The injected frames are on tags no
     receive matches (secret per-pair prefixes), so the job goes on, correct."""
-    results = run_ranks(injection, 3, args=(foreign_job,), timeout=110, check=False)
+    results = run_ranks(
+        injection, 3, args=(foreign_job,), timeout=110, check=False, env=MESSAGES_ONLY
+    )
     for r in results[:2]:
         assert r.ok, r.traceback
         assert r.value == ["correct"] * 4, r.value
@@ -210,7 +212,9 @@ def test_forged_inline_payloads_are_refused(kind):
     """(a) FLAG_INLINE announcing more than MAX_INLINE_NBYTES, (b) an inline message
     shorter than its header and payload: a ProtocolError naming the sender at once,
     nothing written, and the sender (it held the pair key) dropped."""
-    outcome, elapsed, untouched, lost = run_ranks(forged_inline, 2, args=(kind,), timeout=50)[0]
+    outcome, elapsed, untouched, lost = run_ranks(
+        forged_inline, 2, args=(kind,), timeout=50, env=MESSAGES_ONLY
+    )[0]
     assert outcome.startswith("ProtocolError") and "from rank 1" in outcome, outcome
     expected = {"over-bound": "bound", "over-buffer": "oversized message"}.get(kind, "shorter")
     assert expected in outcome, outcome
@@ -246,7 +250,7 @@ async def inline_mismatches(ctx):
 
 @pytest.mark.timeout(90)
 def test_mismatch_is_detected_on_every_rank_with_inline_frames():
-    results = run_ranks(inline_mismatches, 3, timeout=80)
+    results = run_ranks(inline_mismatches, 3, timeout=80, env=MESSAGES_ONLY)
     for rank, out in enumerate(results):
         assert out.pop("messages") == 2, (rank, out)  # one message to each peer: inline
         assert len(out) == 6, out

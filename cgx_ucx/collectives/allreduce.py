@@ -82,6 +82,7 @@ def prepare_allreduce(
     cache: dict | None = None,
     in_place: bool = True,
     root: int | None = None,
+    oneshot_limit: int | None = None,
 ) -> tuple[Frame, tuple[Any, AllreduceSpec]]:
     """Check an allreduce's arguments (ConfigError for the first bad one) and return its
     signature frame and what :func:`run_allreduce` needs: the flat view of ``x`` and the
@@ -93,7 +94,10 @@ def prepare_allreduce(
     again is a good part of such a call's cost. ``in_place``: the result is written into
     ``x`` (a read-only ``x`` is refused); False for callers that only read it. ``root``:
     the one rank that keeps the result (torch's reduce): signed (the call is then a
-    ``reduce`` in mismatch messages), so ranks that disagree on it raise a mismatch."""
+    ``reduce`` in mismatch messages), so ranks that disagree on it raise a mismatch.
+    ``oneshot_limit``: the "auto" crossover to the one-round path in bytes, instead of
+    :func:`oneshot_max_bytes` (a one-host group with mailboxes: :mod:`.local`); every
+    rank of a communicator passes the same."""
     flat = as_flat(x, writable=in_place)
     if root is not None:
         root = check_root(root, world_size)
@@ -105,7 +109,7 @@ def prepare_allreduce(
             return hit[0], (flat, hit[1])
     template, spec = _prepare(
         flat, op, world_size, layout, bits, bucket_size, algorithm, stochastic, seed, topology,
-        hierarchy
+        hierarchy, oneshot_limit
     )  # fmt: skip
     if root is not None:
         template = template.with_(collective=Coll.REDUCE, digest=signed_root(template.digest, root))
@@ -140,7 +144,7 @@ def _cache_key(
 def _prepare(
     flat: Any, op: str, world_size: int, layout: Layout | None, bits: int | None,
     bucket_size: int, algorithm: str, stochastic: bool, seed: int, topology: Any,
-    hierarchy: Any,
+    hierarchy: Any, oneshot_limit: int | None = None,
 ) -> tuple[Frame, AllreduceSpec]:  # fmt: skip
     if op not in ("sum", "avg"):
         raise ConfigError(f"op must be 'sum' or 'avg', got {op!r}")
@@ -151,7 +155,7 @@ def _prepare(
     # Two levels (issue 11): "auto" where the topology and its HierarchyConfig say so,
     # "hierarchical" asked for; flat where they do not apply.
     flat_name = "auto" if algorithm == "hierarchical" else algorithm
-    algo = _algorithm(flat_name, world_size, flat.size * dtype.itemsize)
+    algo = _algorithm(flat_name, world_size, flat.size * dtype.itemsize, oneshot_limit)
     scheme = hierarchical_scheme(algorithm, algo == Algo.ONESHOT, topology, hierarchy)
     algo = Algo.HIERARCHICAL if scheme is not None else algo
     seed = check_seed(seed)
@@ -255,11 +259,11 @@ def _check_dtype(dtype: np.dtype, compressed: bool, avg: bool) -> None:
 _ALGORITHMS = {"sra": Algo.SRA, "ring": Algo.RING, "oneshot": Algo.ONESHOT}
 
 
-def _algorithm(algorithm: str, world_size: int, nbytes: int) -> Algo:
+def _algorithm(algorithm: str, world_size: int, nbytes: int, limit: int | None = None) -> Algo:
     """The algorithm to run; "auto" depends only on what the signature carries (numel,
     dtype) and the world size, so ranks that agree on the call agree on the choice."""
     if algorithm == "auto":
-        if nbytes <= oneshot_max_bytes(world_size):
+        if nbytes <= (oneshot_max_bytes(world_size) if limit is None else limit):
             return Algo.ONESHOT
         return Algo.SRA if world_size <= SRA_MAX_WORLD else Algo.RING
     if algorithm not in _ALGORITHMS:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CGXError, CollectiveMismatchError, ConfigError, ProtocolError
-from ..transport.frames import Algo, Coll, Frame, Kind, Op, dtype_code, dtype_from_code
+from ..transport.frames import MIXED_BITS, Algo, Coll, Frame, Kind, Op, dtype_code, dtype_from_code
 from ..transport.mesh import MAX_SLOTS
 from .piece_codec import CodecRunner
 from .staging import BufferPool, byte_view
@@ -33,6 +33,8 @@ __all__ = [
     "describe",
     "gather_or_cancel",
     "make_template",
+    "mismatch_error",
+    "what",
 ]
 
 #: Phase 1: signatures (and, for SRA, the scatter pieces).
@@ -116,6 +118,25 @@ def describe(frame: Frame) -> str:
     if frame.collective == Coll.ALLGATHER and frame.reduce_op:
         parts.append(f"reduced by {op}")
     return f"{coll}({', '.join(parts)})"
+
+
+def what(name: str, template: Frame) -> str:
+    """A collective as a peer's timeout message names it: "allreduce, numel 4096, bits 4"."""
+    text = f"{name}, numel {template.numel}"
+    if template.bits and template.bits != 32:
+        text += ", bits mixed" if template.bits == MIXED_BITS else f", bits {template.bits}"
+    return text
+
+
+def mismatch_error(seq: int, name: str, problems: list[str]) -> CollectiveMismatchError:
+    """The error of collective ``seq`` whose ranks disagree (``problems``: one line each)."""
+    # Every rank numbers its collectives in call order, so a rank that issued them in
+    # another order (PowerSGD with several DDP buckets, issue 12) meets a different call
+    # under the same number: say so, not only "disagree".
+    return CollectiveMismatchError(
+        f"collective #{seq} ({name}): ranks disagree: ranks issued collectives in a "
+        "different order, or the same one with different arguments: " + "; ".join(problems)
+    )
 
 
 def make_template(coll: Coll, x: Any, **fields: Any) -> Frame:
@@ -285,14 +306,7 @@ class Call:
 
     def raise_mismatches(self, problems: list[str]) -> None:
         if problems:
-            # Every rank numbers its collectives in call order, so a rank that issued
-            # them in another order (PowerSGD with several DDP buckets, issue 12) meets
-            # a different call under the same number: say so, not only "disagree".
-            raise CollectiveMismatchError(
-                f"collective #{self.seq} ({self.name}): ranks disagree: ranks issued "
-                "collectives in a different order, or the same one with different "
-                "arguments: " + "; ".join(problems)
-            )
+            raise mismatch_error(self.seq, self.name, problems)
 
     async def exchange_signatures(self) -> None:
         """Phase 1 for every collective but SRA allreduce: SIG frames all-to-all."""

@@ -19,7 +19,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
@@ -36,7 +36,9 @@ from ..errors import (
     TransportError,
 )
 from ..layout import Layout
-from ..transport.frames import MIXED_BITS, AbortCode, Frame
+from ..transport import shm
+from ..transport.frames import AbortCode, Frame
+from ..transport.mailbox import Mailbox, State, compile_kernels
 from ..transport.mesh import Mesh
 from ..transport.rendezvous import env_store
 from .allgather import prepare_allgather, run_allgather
@@ -44,7 +46,19 @@ from .allreduce import prepare_allreduce, run_allreduce
 from .alltoall import prepare_alltoall, run_alltoall
 from .barrier import prepare_barrier, run_barrier
 from .broadcast import prepare_broadcast, run_broadcast
-from .call import Call
+from .call import Call, what
+from .local import (
+    HAND_OVER_S,
+    LOCAL_ONESHOT_BYTES,
+    AllreduceOp,
+    BarrierOp,
+    LocalCall,
+    LocalOp,
+    Round,
+    signature_words,
+    wait_async,
+    wait_blocking,
+)
 from .p2p import PointToPoint
 from .piece_codec import CodecRunner
 from .reduce_scatter import prepare_reduce_scatter, run_reduce_scatter
@@ -129,6 +143,7 @@ async def connect(
     comm = Communicator(mesh, config, keep_alive=owned_store)
     try:
         await comm.warm_up()
+        await comm.attach_mailbox(store, prefix)
     except BaseException:
         with contextlib.suppress(Exception):  # the warm-up's error is the one to raise
             await comm.close()
@@ -149,7 +164,7 @@ class Communicator:
         self._keep_alive = keep_alive  # e.g. the env:// TCPStore this rank may be serving
         self._config = config
         self._seq = 1  # 0 is the connection handshake
-        self._calls: dict[int, Call] = {}
+        self._calls: dict[int, Call | LocalCall] = {}
         self._early: collections.OrderedDict[int, CGXError] = collections.OrderedDict()
         #: prepare_allreduce results by argument set (see its ``cache``).
         self._prepared: dict = {}
@@ -160,6 +175,12 @@ class Communicator:
         self._loop = asyncio.get_running_loop()
         transport.on_abort = self._on_abort
         self._p2p = PointToPoint(transport, config)  # send/recv, outside the numbering
+        #: Node-local mailboxes (.local), where every rank is on this host; None elsewhere.
+        self._mailbox: Mailbox | None = None
+        #: A mailbox has one slot per collective in flight (two, alternating): its
+        #: collectives on the loop run one at a time, in number order (FIFO lock, taken
+        #: before the first await after numbering).
+        self._local_lock = asyncio.Lock()
 
     # -- properties ---------------------------------------------------------------------
     @property
@@ -212,6 +233,8 @@ class Communicator:
         self._closed = True
         for call in list(self._calls.values()):
             call.fail(TransportError("the communicator was closed during the collective"))
+        if self._mailbox is not None:
+            self._mailbox.close()
         await self._mesh.close()
         self._codec.close()
         self._pool.clear()
@@ -248,11 +271,13 @@ class Communicator:
         prepare: Callable[[], tuple[Frame, S]],
         body: Callable[[Call, S], Awaitable[R]],
         seq: int | None = None,
-    ) -> R:
+        local: Callable[[S], LocalOp | None] | None = None,
+    ) -> R | None:
         """Number the call, run ``prepare`` (argument checks: its errors abort the peers
         too) and then ``body``; on failure tell the peers, on success recycle staging.
         ``seq``: a number outside the callers' numbering (the warm-up's 0), not counted
-        in the statistics."""
+        in the statistics. ``local``: the call's mailbox steps (.local) for a prepared
+        state, None where it goes over the network; used where the group has mailboxes."""
         if asyncio.get_running_loop() is not self._loop:
             raise TransportError("a communicator must be used from the event loop that created it")
         if self._closed:
@@ -267,6 +292,7 @@ class Communicator:
         if early is not None:
             call.fail(early)
         started = time.perf_counter()
+        op: LocalOp | None = None
         try:
             if early is not None:
                 # The peer's ABORT for this call came before the call: it says why (a
@@ -278,8 +304,17 @@ class Communicator:
                 job=self._mesh.job, seq=seq, src=self.rank, comm=self._mesh.comm_id
             )
             # Peers that time out waiting for us are told which call we are in (issue 13).
-            self._mesh.collective_started(seq, _what(name, template))
-            result = await body(call, state)
+            self._mesh.collective_started(seq, what(name, template))
+            box = self._mailbox
+            if box is not None and counted:
+                op = local(state) if local is not None else None
+                if op is None:  # peers waiting in their mailboxes see where this one went
+                    box.announce(seq, signature_words(call.template))
+            if op is None:
+                result: R | None = await body(call, state)
+            else:
+                result = None
+                await self._run_local_async(call, op)
         except BaseException as exc:
             await self._after_failure(call, exc)
             raise
@@ -287,27 +322,197 @@ class Communicator:
             del self._calls[seq]
             self._mesh.collective_finished(seq)
         call.give_back_all()
-        stats = self._mesh.stats
         if counted:
-            stats.collectives += 1
-            stats.by_collective[name] = stats.by_collective.get(name, 0) + 1
+            self._count(name)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s #%d done in %.3f ms", name, seq, (time.perf_counter() - started) * 1e3)
         return result
 
-    async def _after_failure(self, call: Call, exc: BaseException) -> None:
-        """Tell the peers, unless they saw it themselves (a lost peer).
+    def _count(self, name: str) -> None:
+        stats = self._mesh.stats
+        stats.collectives += 1
+        stats.by_collective[name] = stats.by_collective.get(name, 0) + 1
 
-        A failure that came as a peer's ABORT is relayed too: the ABORT from its origin
-        may reach a third rank after this rank's BYE (different channels, no order between
-        them), and that rank then blamed this one for closing mid-collective instead of
-        reporting the cause; on one channel the relayed ABORT precedes our BYE."""
-        if self._mesh.closed or self.world_size == 1:
+    # -- node-local mailboxes (.local) --------------------------------------------------
+    @property
+    def mailbox(self) -> Mailbox | None:
+        """The group's node-local mailboxes, None where it has none (ranks on several
+        hosts or nodes, node-local shared memory off, a world of one)."""
+        return self._mailbox
+
+    async def attach_mailbox(self, store: Any, prefix: str) -> None:
+        """Give this group mailboxes if every rank runs on this host (run by
+        :func:`connect` on every rank; all ranks or none end with them)."""
+        mesh = self._mesh
+        n = self.world_size
+        if (
+            n == 1
+            or len(getattr(mesh, "local_ranks", ())) != n
+            or getattr(mesh, "topology", None) is None
+            or mesh.topology.num_nodes != 1
+            or not mesh.hierarchy.intra_shm
+            or not shm.available()
+        ):
             return
+        compile_kernels()
+        box = Mailbox(self.rank, n)
+        try:
+            await self._exchange_mailboxes(box, store, prefix)
+        except BaseException:
+            box.close()
+            raise
+        if box.enabled:
+            self._mailbox = box
+        else:
+            box.close()
+
+    async def _exchange_mailboxes(self, box: Mailbox, store: Any, prefix: str) -> None:
+        """Publish ``box`` in the store, map every peer's, and agree (through the
+        mailboxes' state words) whether every rank mapped every other."""
+        mesh, n = self._mesh, self.world_size
+        base = f"{prefix}/mailbox/{mesh.job:x}"
+        store.set(f"{base}/{self.rank}", bytes(box.descriptor().pack()))
+        end = time.monotonic() + self._config.connect_timeout
+        count = int(store.add(f"{base}/count", 1))
+        while count < n:
+            if time.monotonic() > end:
+                raise CGXTimeoutError("not every rank published its mailbox within connect_timeout")
+            await asyncio.sleep(0.002)
+            count = int(store.add(f"{base}/count", 0))
+        descs = {
+            p: shm.Descriptor.unpack(np.frombuffer(store.get(f"{base}/{p}"), np.uint8))
+            for p in range(n)
+            if p != self.rank
+        }
+        why = box.attach(descs)
+        if why is not None:
+            log.warning("rank %d: no node-local mailboxes (%s)", self.rank, why)
+        states = {}
+        for p in box.peer_words:
+            while (state := box.peer_state(p)) == State.CONNECTING:
+                if time.monotonic() > end:
+                    raise CGXTimeoutError(
+                        f"rank {p} did not map the node-local mailboxes within connect_timeout",
+                        peer=p,
+                    )
+                await asyncio.sleep(0.001)
+            states[p] = state
+        box.enabled = why is None and all(v == State.ATTACHED for v in states.values())
+
+    def _oneshot_limit(self) -> int | None:
+        return LOCAL_ONESHOT_BYTES if self._mailbox is not None else None
+
+    async def _run_local_async(self, call: Call, op: LocalOp) -> None:
+        """A mailbox collective on the engine loop (queued behind others, or the asyncio
+        core's own call); its failure is recorded by :meth:`_after_failure`."""
+        assert self._mailbox is not None and call.template is not None
+
+        def check() -> None:
+            if call.abort.done():
+                raise call.abort.exception()  # type: ignore[misc]
+            self._mesh.check()
+
+        r = Round(self._mailbox, call.seq, call.name, call.template, self._config.timeout, check)
+        async with self._local_lock:
+            check()
+            op.post(r)
+            await wait_async(r)
+            op.finish(r)
+
+    def run_local(
+        self,
+        name: str,
+        prepare: Callable[[], tuple[Frame, S]],
+        local: Callable[[S], LocalOp | None],
+        result: Any = None,
+    ) -> tuple[bool, Coroutine[Any, Any, Any] | None]:
+        """Run a collective through the mailboxes on the calling thread, if it goes there.
+
+        For :class:`~cgx_ucx.engine.SyncCommunicator`, which calls this only while none
+        of its calls is in flight on the engine loop (so the numbering is not shared) and
+        one at a time. Returns (False, None), having done nothing, where the call does not
+        go through the mailboxes (no mailboxes, a closed communicator, arguments the
+        network path must refuse on every rank, a call that does not fit). Otherwise it
+        posts this rank's part and waits a short while (:data:`.local.HAND_OVER_S`): done
+        then, (True, None); a peer still missing, (True, the rest of the call as a
+        coroutine for the engine loop, returning ``result``), so that the caller's thread
+        is not held (an ``async_op`` call, a ``monitored_barrier``'s own timeout). A
+        failure raises its typed error here (the peers are told)."""
+        box = self._mailbox
+        if box is None or not box.enabled or self._closed:
+            return False, None
+        try:
+            template, state = prepare()
+        except Exception:  # the network path raises it on this rank and aborts the peers
+            return False, None
+        op = local(state)
+        if op is None:
+            return False, None
+        seq = self._seq
+        self._seq += 1
+        lc = LocalCall()
+        self._calls[seq] = lc
+        early = self._early.pop(seq, None)
+        mesh = self._mesh
+        template = template.with_(job=mesh.job, seq=seq, src=self.rank, comm=mesh.comm_id)
+        mesh.activity.started(seq, what(name, template))
+
+        def check() -> None:
+            if lc.error is not None:
+                raise lc.error
+            mesh.check()
+
+        r = Round(box, seq, name, template, self._config.timeout, check)
+        try:
+            if early is not None:
+                raise early
+            mesh.check()
+            op.post(r)
+            if wait_blocking(r, HAND_OVER_S):
+                op.finish(r)
+            else:
+                return True, self._finish_local(r, op, lc, result)
+        except BaseException as exc:
+            self._local_failed(r, exc)
+            raise
+        self._local_done(r)
+        return True, None
+
+    async def _finish_local(self, r: Round, op: LocalOp, lc: LocalCall, result: Any) -> Any:
+        """The rest of a mailbox collective that :meth:`run_local` started, on the loop."""
+        try:
+            async with self._local_lock:
+                await wait_async(r)
+                op.finish(r)
+        except BaseException as exc:
+            self._local_failed(r, exc)
+            raise
+        self._local_done(r)
+        return result
+
+    def _local_done(self, r: Round) -> None:
+        del self._calls[r.seq]
+        self._mesh.activity.finished(r.seq)
+        self._count(r.name)
+
+    def _local_failed(self, r: Round, exc: BaseException) -> None:
+        """After a failed mailbox collective of :meth:`run_local`: the peers are told (in
+        the mailbox now, over the network from the loop)."""
+        self._calls.pop(r.seq, None)
+        self._mesh.activity.finished(r.seq)
+        record = self._abort_record(r.seq, exc)
+        if record is not None and not self._mesh.closed and not self._loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                asyncio.run_coroutine_threadsafe(self._broadcast_abort(r.seq, record), self._loop)
+
+    def _abort_record(self, seq: int, exc: BaseException) -> tuple[int, int, str] | None:
+        """What the peers are told of this rank's failure of collective ``seq``: (code,
+        culprit rank, reason), also written into the mailbox at once; None for a lost
+        peer (every survivor sees the loss itself)."""
         if isinstance(exc, CGXTimeoutError):
             code, peer = AbortCode.PEER_LOST, exc.peer if exc.peer is not None else self.rank
         elif isinstance(exc, PeerLostError):
-            return  # every survivor sees the loss on its control channel
+            return None
         elif isinstance(exc, ProtocolError):
             code, peer = AbortCode.PROTOCOL, self.rank
         elif isinstance(exc, CollectiveMismatchError):
@@ -317,10 +522,28 @@ class Communicator:
             exc = TransportError("cancelled")
         else:
             code, peer = AbortCode.LOCAL, self.rank
+        reason = f"{type(exc).__name__}: {exc}"
+        box = self._mailbox
+        if box is not None and box.enabled and seq:
+            box.abort(seq, int(code), int(peer), reason)
+        return int(code), int(peer), reason
+
+    async def _after_failure(self, call: Call | Round, exc: BaseException) -> None:
+        """Tell the peers, unless they saw it themselves (a lost peer).
+
+        A failure that came as a peer's ABORT is relayed too: the ABORT from its origin
+        may reach a third rank after this rank's BYE (different channels, no order between
+        them), and that rank then blamed this one for closing mid-collective instead of
+        reporting the cause; on one channel the relayed ABORT precedes our BYE."""
+        if self._mesh.closed or self.world_size == 1:
+            return
+        record = self._abort_record(call.seq, exc)
+        if record is not None:
+            await self._broadcast_abort(call.seq, record)
+
+    async def _broadcast_abort(self, seq: int, record: tuple[int, int, str]) -> None:
         try:
-            await asyncio.shield(
-                self._mesh.broadcast_abort(call.seq, code, peer, f"{type(exc).__name__}: {exc}")
-            )
+            await asyncio.shield(self._mesh.broadcast_abort(seq, *record))
         except Exception as err:
             log.debug("abort notification failed: %s", err)
 
@@ -387,26 +610,32 @@ class Communicator:
         the result (torch's reduce; every rank still computes it).
         """
 
-        await self._collective(
-            "allreduce" if root is None else "reduce",
-            lambda: prepare_allreduce(
+        name, prepare = self.allreduce_call(
+            x, op, layout=layout, bits=bits, bucket_size=bucket_size, algorithm=algorithm,
+            stochastic=stochastic, seed=seed, root=root,
+        )  # fmt: skip
+        await self._collective(name, prepare, run_allreduce, local=AllreduceOp.of)
+        return x
+
+    def allreduce_call(
+        self, x: Any, op: str = "sum", *, root: int | None = None, **kwargs: Any
+    ) -> tuple[str, Callable[[], tuple[Frame, tuple[Any, Any]]]]:
+        """The name and argument check of :meth:`allreduce` (keywords as there)."""
+
+        def prepare() -> tuple[Frame, tuple[Any, Any]]:
+            return prepare_allreduce(
                 x,
                 op,
                 world_size=self.world_size,
-                layout=layout,
-                bits=bits,
-                bucket_size=bucket_size,
-                algorithm=algorithm,
-                stochastic=stochastic,
-                seed=seed,
                 topology=getattr(self._mesh, "topology", None),
                 hierarchy=getattr(self._mesh, "hierarchy", None),
                 cache=self._prepared,
                 root=root,
-            ),
-            run_allreduce,
-        )
-        return x
+                oneshot_limit=self._oneshot_limit(),
+                **kwargs,
+            )
+
+        return ("allreduce" if root is None else "reduce"), prepare
 
     async def broadcast(self, x: Any, root: int = 0) -> Any:
         """Copy ``root``'s ``x`` into every rank's ``x`` (same shape and dtype everywhere)."""
@@ -432,7 +661,7 @@ class Communicator:
 
     async def barrier(self) -> None:
         """Return once every rank has entered the barrier."""
-        await self._collective("barrier", prepare_barrier, run_barrier)
+        await self._collective("barrier", prepare_barrier, run_barrier, local=BarrierOp.of)
 
     async def late_peers(self) -> list[tuple[int, str]]:
         """The peers that have not started this rank's latest collective (or are gone,
@@ -494,14 +723,6 @@ class Communicator:
         if src is None:
             return await self._p2p.recv_any(x, tag)
         return await self._p2p.recv(x, src, tag)
-
-
-def _what(name: str, template: Frame) -> str:
-    """A collective as a peer's timeout message names it: "allreduce, numel 4096, bits 4"."""
-    what = f"{name}, numel {template.numel}"
-    if template.bits and template.bits != 32:
-        what += ", bits mixed" if template.bits == MIXED_BITS else f", bits {template.bits}"
-    return what
 
 
 def _start_codec_warm_up() -> concurrent.futures.Future | None:

@@ -47,6 +47,7 @@ __all__ = [
     "Segment",
     "SegmentPool",
     "available",
+    "map_peer",
 ]
 
 _MAGIC = b"CGXS"
@@ -237,27 +238,7 @@ class PeerSegments:
         return array[desc.offset : desc.offset + desc.nbytes]
 
     def _open(self, peer: int, desc: Descriptor) -> tuple[mmap.mmap, np.ndarray]:
-        path = f"/proc/{desc.pid}/fd/{desc.fd}"
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise TransportError(
-                f"rank {self.rank} cannot map rank {peer}'s shared memory ({path}: "
-                f"{exc.strerror}): ranks of one node must run in one PID namespace; set "
-                "CGX_UCX_INTRA_SHM=0 to move node-local data through UCX instead"
-            ) from exc
-        try:
-            st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) != (desc.dev, desc.ino) or st.st_size < desc.size:
-                raise TransportError(
-                    f"rank {self.rank}: {path} is not the segment rank {peer} described "
-                    "(another process behind that pid: ranks of one node must share a "
-                    "PID namespace; set CGX_UCX_INTRA_SHM=0)"
-                )
-            mapped = mmap.mmap(fd, desc.size, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        return mapped, np.frombuffer(mapped, np.uint8)
+        return map_peer(self.rank, peer, desc)
 
     def clear(self) -> None:
         maps = [m for m, _ in self._maps.values()]
@@ -265,6 +246,32 @@ class PeerSegments:
         self._bytes = 0
         for m in maps:
             _close_map(m)
+
+
+def map_peer(rank: int, peer: int, desc: Descriptor) -> tuple[mmap.mmap, np.ndarray]:
+    """Map the whole segment ``desc`` of node peer ``peer`` read-only (for ``rank``, named
+    in errors), its identity checked; the map and its bytes."""
+    path = f"/proc/{desc.pid}/fd/{desc.fd}"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise TransportError(
+            f"rank {rank} cannot map rank {peer}'s shared memory ({path}: "
+            f"{exc.strerror}): ranks of one node must run in one PID namespace; set "
+            "CGX_UCX_INTRA_SHM=0 to move node-local data through UCX instead"
+        ) from exc
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != (desc.dev, desc.ino) or st.st_size < desc.size:
+            raise TransportError(
+                f"rank {rank}: {path} is not the segment rank {peer} described "
+                "(another process behind that pid: ranks of one node must share a "
+                "PID namespace; set CGX_UCX_INTRA_SHM=0)"
+            )
+        mapped = mmap.mmap(fd, desc.size, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    return mapped, np.frombuffer(mapped, np.uint8)
 
 
 def _close_map(m: mmap.mmap) -> None:

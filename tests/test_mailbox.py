@@ -1,0 +1,321 @@
+"""Node-local mailboxes (issue 10): small collectives of a one-host group go through shared
+memory instead of messages. Checked in spawned ranks under deadlines: results equal the
+message path's bit for bit, replicas are bit-identical, and every failure (a mismatch, a
+call that one rank runs over the network, a dead, closed or late peer) is a typed error
+on every rank, quickly."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+from harness import DEAD_EXIT, MESSAGES_ONLY, run_ranks
+
+from cgx_ucx.collectives import connect
+from cgx_ucx.collectives.local import LOCAL_ONESHOT_BYTES
+from cgx_ucx.config import CommConfig
+from cgx_ucx.engine import connect_sync
+from cgx_ucx.errors import CGXTimeoutError, PeerLostError, ProtocolError
+from cgx_ucx.transport import shm
+from cgx_ucx.transport.mailbox import SIZE, Mailbox, State
+
+CFG = CommConfig(timeout=20.0, connect_timeout=30.0)
+
+pytestmark = pytest.mark.skipif(not shm.available(), reason="needs memfd and /proc")
+
+
+def values(rank: int, numel: int, dtype=np.float32) -> np.ndarray:
+    rng = np.random.default_rng(1000 + rank)
+    return (rng.standard_normal(numel) * (rank + 1)).astype(dtype)
+
+
+# -- results ---------------------------------------------------------------------------------
+
+CASES = [  # (numel, dtype, bits, op)
+    (1, np.float32, 32, "sum"),
+    (1024, np.float32, 32, "sum"),
+    (1024, np.float32, 4, "avg"),
+    (4099, np.float16, 8, "sum"),
+    (3000, np.int64, 32, "sum"),
+    (LOCAL_ONESHOT_BYTES // 4, np.float32, 32, "avg"),
+    (LOCAL_ONESHOT_BYTES // 4, np.float32, 4, "sum"),
+]
+
+
+async def results_job(ctx):
+    async with await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG) as comm:
+        out = [comm.mailbox is not None]
+        for numel, dtype, bits, op in CASES:
+            x = values(ctx.rank, numel, dtype)
+            await comm.allreduce(x, op, bits=bits)
+            out.append(x)
+        await comm.barrier()
+        return out, comm.stats.messages_sent
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_mailbox_results_equal_the_message_path(world):
+    boxed = run_ranks(results_job, world, timeout=120)
+    sent = run_ranks(results_job, world, timeout=120, env=MESSAGES_ONLY)
+    assert all(r[0][0] for r in boxed), "a one-host group has mailboxes"
+    assert not any(r[0][0] for r in sent), "CGX_UCX_INTRA_SHM=0 turns them off"
+    # Nothing of the calls went through messages (the connect's warm-up did).
+    assert boxed[0][1] < sent[0][1]
+    for i, (numel, dtype, bits, op) in enumerate(CASES, start=1):
+        mine = boxed[0][0][i]
+        for r in range(world):  # replicas bit-identical
+            assert boxed[r][0][i].tobytes() == mine.tobytes(), (i, r)
+        # the same bits as the message path's one-round allreduce (or SRA beyond its
+        # crossover: then within the codec's bound / float rounding)
+        other = sent[0][0][i]
+        exact = np.sum([values(r, numel, dtype).astype(np.float64) for r in range(world)], 0)
+        if op == "avg":
+            exact /= world
+        if bits == 32 and np.dtype(dtype).kind in "iu":
+            assert np.array_equal(mine, exact.astype(dtype))
+        elif bits == 32:
+            tol = 4 * world * np.finfo(dtype).eps * np.abs(exact).max()
+            assert np.abs(mine - exact).max() <= tol
+        if numel * np.dtype(dtype).itemsize <= 64 << 10:
+            assert mine.tobytes() == other.tobytes(), (i, "differs from the message path")
+        else:
+            scale = np.abs(exact).max()
+            err = np.abs(mine.astype(np.float64) - exact).max()
+            assert err <= (0.5 * world if bits < 32 else 1e-5) * scale
+
+
+def sync_job(ctx):
+    comm = connect_sync(ctx.store, ctx.rank, ctx.world_size, config=CFG)
+    try:
+        x = values(ctx.rank, 1024)
+        fut = comm.allreduce(x, bits=32)
+        ran_inline = fut.done()  # on the caller's thread: done when it returns
+        fut.result(10)
+        # Calls queued behind an engine call keep their order (and use the mailbox from
+        # the loop): a large allreduce in flight, then small ones.
+        big = np.ones(4 << 20, np.float32) * (ctx.rank + 1)
+        f_big = comm.allreduce(big)
+        smalls = [np.full(256, float(i + ctx.rank), np.float32) for i in range(5)]
+        fs = [comm.allreduce(s) for s in smalls]
+        f_bar = comm.barrier()
+        for f in [f_big, *fs, f_bar]:
+            f.result(30)
+        threads_ok = _threads(comm)
+        return ran_inline, x, float(big[0]), [float(s[0]) for s in smalls], threads_ok
+    finally:
+        comm.close()
+
+
+def _threads(comm):
+    """Two threads calling collectives at once on one communicator: each call is whole."""
+    errors = []
+
+    def worker(k):
+        try:
+            for _ in range(20):
+                comm.barrier().result(30)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    ts = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    return not errors
+
+
+def test_sync_face_runs_on_the_callers_thread_and_keeps_order():
+    res = run_ranks(sync_job, 2, timeout=120)
+    assert all(r[0] for r in res)
+    assert res[0][1].tobytes() == res[1][1].tobytes()
+    assert all(r[2] == 3.0 for r in res)
+    assert all(r[3] == [2 * i + 1.0 for i in range(5)] for r in res)
+    assert all(r[4] for r in res)
+
+
+# -- failures ----------------------------------------------------------------------------------
+
+
+async def _outcome(coro):
+    start = time.monotonic()
+    try:
+        await coro
+        return "no error", None, time.monotonic() - start
+    except Exception as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - start
+
+
+async def mismatch_job(ctx, numel_of):
+    async with await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG) as comm:
+        x = np.full(numel_of[ctx.rank], 7.0, np.float32)
+        kind, text, took = await _outcome(comm.allreduce(x))
+        untouched = bool(np.all(x == 7.0))
+        # the communicator goes on working
+        y = np.ones(16, np.float32)
+        await comm.allreduce(y)
+        return kind, text, took, untouched, float(y[0])
+
+
+@pytest.mark.parametrize(
+    "numel_of",
+    [
+        {0: 1024, 1: 2048, 2: 1024},  # both through the mailboxes
+        {0: 1024, 1: 4 << 20, 2: 1024},  # one rank's call goes over the network
+    ],
+)
+def test_mismatch_fails_every_rank_fast(numel_of):
+    res = run_ranks(mismatch_job, 3, timeout=90, args=(numel_of,))
+    for kind, text, took, untouched, after in res:
+        assert kind == "CollectiveMismatchError", text
+        assert took < 10
+        assert untouched
+        assert after == 3.0
+
+
+async def dead_job(ctx):
+    async with await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG) as comm:
+        x = np.ones(1024, np.float32)
+        await comm.allreduce(x)
+        if ctx.rank == 1:
+            os._exit(DEAD_EXIT)
+        await asyncio.sleep(0.2)
+        kind, _, took = await _outcome(comm.allreduce(x))
+        return kind, took
+
+
+def test_dead_peer_is_named_fast():
+    res = run_ranks(dead_job, 3, timeout=90, check=False, expect_dead=[1])
+    for r in (res[0], res[2]):
+        assert r.ok, r.error
+        kind, took = r.value
+        assert kind == "PeerLostError"
+        assert took < 10
+
+
+async def late_job(ctx):
+    cfg = CommConfig(timeout=2.0, connect_timeout=30.0)
+    async with await connect(ctx.store, ctx.rank, ctx.world_size, config=cfg) as comm:
+        await comm.barrier()
+        if ctx.rank == 1:
+            await asyncio.sleep(4.0)
+            return "slept", None
+        start = time.monotonic()
+        try:
+            await comm.barrier()
+        except CGXTimeoutError as exc:
+            return (exc.peer, exc.alive, "alive" in str(exc)), time.monotonic() - start
+        return "no error", None
+
+
+def test_late_peer_times_out_naming_it():
+    res = run_ranks(late_job, 2, timeout=90)
+    (peer, alive, says), took = res[0]
+    assert (peer, alive, says) == (1, True, True)
+    assert 1.5 < took < 6
+
+
+async def closed_job(ctx):
+    comm = await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG)
+    await comm.barrier()
+    if ctx.rank == 1:
+        await comm.close()
+        return "closed", 0.0
+    await asyncio.sleep(0.5)
+    kind, _, took = await _outcome(comm.barrier())
+    await comm.close()
+    return kind, took
+
+
+def test_closed_peer_fails_the_next_call():
+    res = run_ranks(closed_job, 2, timeout=90)
+    kind, took = res[0]
+    assert kind == "PeerLostError"
+    assert took < 10
+
+
+def sync_dead_job(ctx):
+    comm = connect_sync(ctx.store, ctx.rank, ctx.world_size, config=CFG)
+    comm.barrier().result(20)
+    if ctx.rank == 1:
+        os._exit(DEAD_EXIT)
+    time.sleep(0.2)
+    start = time.monotonic()
+    try:
+        comm.allreduce(np.ones(64, np.float32)).result(30)
+        kind = "no error"
+    except PeerLostError:
+        kind = "PeerLostError"
+    took = time.monotonic() - start
+    comm.close(timeout=10)
+    return kind, took
+
+
+def test_sync_face_dead_peer():
+    res = run_ranks(sync_dead_job, 2, timeout=90, check=False, expect_dead=[1])
+    assert res[0].ok, res[0].error
+    kind, took = res[0].value
+    assert kind == "PeerLostError" and took < 10
+
+
+# -- the mailbox itself (one process) ------------------------------------------------------
+
+
+def test_mailbox_attach_refuses_foreign_segments():
+    a, b = Mailbox(0, 2), Mailbox(1, 2)
+    try:
+        assert a.attach({1: b.descriptor()}) is None
+        assert a.words[1] == State.ATTACHED
+        assert a.peer_state(1) == State.CONNECTING
+        other = shm.Segment(SIZE)  # a segment that is not a mailbox
+        c = Mailbox(0, 2)
+        why = c.attach({1: other.describe(0, SIZE)})
+        assert why is not None and "not a mailbox" in why
+        assert c.words[1] == State.FAILED
+        small = shm.Segment(1 << 16)
+        assert "bytes" in Mailbox(0, 2).attach({1: small.describe(0, 1 << 16)})
+        c.close()
+        other.close()
+        small.close()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_mailbox_post_and_read_back():
+    a, b = Mailbox(0, 2), Mailbox(1, 2)
+    try:
+        assert a.attach({1: b.descriptor()}) is None
+        assert b.attach({0: a.descriptor()}) is None
+        sig = np.arange(8, dtype=np.uint64)
+        b.begin_post()[:3] = [1, 2, 3]
+        assert not a.spin_posted(1, 5, 10)
+        b.post(5, sig, 3)
+        assert a.spin_posted(1, 5, 10)
+        got_sig, payload, slot = a.contribution(1, 5)
+        assert list(got_sig) == list(sig) and list(payload) == [1, 2, 3]
+        with pytest.raises(ProtocolError):
+            a.contribution(1, 7)  # never posted
+        # The next post takes the other slot; the one after rewrites this one, which a
+        # reader that is still on #5 sees when it checks after reading.
+        b.begin_post()[:1] = [9]
+        b.post(8, sig, 1)
+        assert a.holds(1, 5, slot) and a.contribution(1, 8)[2] != slot
+        b.begin_post()
+        assert not a.holds(1, 5, slot)
+        b.abort(5, 1, 1, "CollectiveMismatchError: x" * 20)
+        code, culprit, reason = a.aborted(1, 5)
+        assert (code, culprit) == (1, 1) and reason.startswith("CollectiveMismatchError")
+        assert len(reason) == 256  # cut to REASON_BYTES
+        assert a.aborted(1, 6) is None and a.aborted(1, 13) is None  # 13: the same entry
+        b.abort(13, 2, 0, "later")  # a later collective takes the entry over
+        assert a.aborted(1, 5) is None and a.aborted(1, 13) == (2, 0, "later")
+        b.close()
+        assert a.peer_state(1) == State.CLOSED
+    finally:
+        a.close()
+        b.close()
