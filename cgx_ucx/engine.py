@@ -26,8 +26,8 @@ from collections.abc import Coroutine
 from typing import Any
 
 from .collectives.barrier import prepare_barrier
-from .collectives.communicator import CommStats, Communicator, connect
-from .collectives.local import AllreduceOp, BarrierOp
+from .collectives.communicator import FROM_OP, CommStats, Communicator, connect
+from .collectives.local import AllgatherOp, AllreduceOp, BarrierOp, BroadcastOp
 from .config import CommConfig
 from .errors import CGXTimeoutError, TransportError
 
@@ -219,7 +219,7 @@ class SyncCommunicator:
                 return None  # queued behind the engine's calls, to keep call order
             fut: concurrent.futures.Future = concurrent.futures.Future()
             try:
-                ran, rest = self._comm.run_local(name, prepare, local, result)
+                ran, value, rest = self._comm.run_local(name, prepare, local, result)
             except BaseException as exc:
                 self._submitted += 1
                 fut.set_exception(exc)
@@ -233,7 +233,7 @@ class SyncCommunicator:
         if rest is not None:
             fut.add_done_callback(self._landed)
         else:
-            fut.set_result(result)
+            fut.set_result(value)
         return fut
 
     def allreduce(self, x: Any, op: str = "sum", **kwargs: Any) -> concurrent.futures.Future:
@@ -246,11 +246,21 @@ class SyncCommunicator:
         return self._submit(self._comm.allreduce(x, op, **kwargs))
 
     def broadcast(self, x: Any, root: int = 0) -> concurrent.futures.Future:
+        if self._comm.mailbox is not None:
+            prepare = self._comm.broadcast_call(x, root)
+            fut = self._local("broadcast", prepare, BroadcastOp.of, x)
+            if fut is not None:
+                return fut
         return self._submit(self._comm.broadcast(x, root))
 
     def allgather(
         self, x: Any, out: Any = None, reduce_op: str | None = None, root: int | None = None
     ) -> concurrent.futures.Future:
+        if self._comm.mailbox is not None:
+            prepare = self._comm.allgather_call(x, out, reduce_op, root)
+            fut = self._local("allgather", prepare, AllgatherOp.of, FROM_OP)
+            if fut is not None:
+                return fut
         return self._submit(self._comm.allgather(x, out, reduce_op, root))
 
     def barrier(self) -> concurrent.futures.Future:

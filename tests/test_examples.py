@@ -43,11 +43,19 @@ def _torchrun(*args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *args]
 
 
-def _run(cmd: list[str]) -> str:
+#: How a gloo job (the reference run) sometimes ends after it finished: a C++ abort at
+#: interpreter exit, seen in 1-2 of 5-10 runs of examples/fsdp2_cgx.py --backend gloo when
+#: ml_dtypes is imported (0 of 12 without it; session 11). Not ours to fix here.
+_GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
+def _run(cmd: list[str], *, gloo_reference: bool = False) -> str:
     proc = subprocess.run(
         cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT
     )
     out = proc.stdout + proc.stderr
+    if gloo_reference and proc.returncode and _GLOO_EXIT_ABORT in out and "final loss" in out:
+        return _run(cmd)  # once more; a second abort fails the test
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{out[-4000:]}"
     return proc.stdout
 
@@ -60,7 +68,8 @@ def test_fsdp2_loss_matches_gloo() -> None:
     script = str(EXAMPLES / "fsdp2_cgx.py")
     runs = {}
     for backend in ("cgx", "gloo"):
-        out = _run(_torchrun("--standalone", "--nproc-per-node", "2", script, "--backend", backend))
+        cmd = _torchrun("--standalone", "--nproc-per-node", "2", script, "--backend", backend)
+        out = _run(cmd, gloo_reference=backend == "gloo")
         runs[backend] = _losses(out)
         assert f"({backend}, 2 ranks)" in out
     cgx, gloo = runs["cgx"], runs["gloo"]

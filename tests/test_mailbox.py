@@ -41,6 +41,7 @@ CASES = [  # (numel, dtype, bits, op)
     (1024, np.float32, 4, "avg"),
     (4099, np.float16, 8, "sum"),
     (3000, np.int64, 32, "sum"),
+    (2048, np.float16, 32, "avg"),  # summed in a float32 accumulator
     (LOCAL_ONESHOT_BYTES // 4, np.float32, 32, "avg"),
     (LOCAL_ONESHOT_BYTES // 4, np.float32, 4, "sum"),
 ]
@@ -54,7 +55,11 @@ async def results_job(ctx):
             await comm.allreduce(x, op, bits=bits)
             out.append(x)
         await comm.barrier()
-        return out, comm.stats.messages_sent
+        b = values(ctx.rank, 3000, np.float64)
+        await comm.broadcast(b, root=ctx.world_size - 1)
+        g = await comm.allgather(values(ctx.rank, 700, np.int32).reshape(7, 100))
+        empty = await comm.allgather(np.zeros(0, np.float32))
+        return out, comm.stats.messages_sent, b, g, empty.shape
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -62,6 +67,11 @@ def test_mailbox_results_equal_the_message_path(world):
     boxed = run_ranks(results_job, world, timeout=120)
     sent = run_ranks(results_job, world, timeout=120, env=MESSAGES_ONLY)
     assert all(r[0][0] for r in boxed), "a one-host group has mailboxes"
+    for r in boxed:  # broadcast and allgather, exact
+        assert r[2].tobytes() == values(world - 1, 3000, np.float64).tobytes()
+        want = np.stack([values(q, 700, np.int32).reshape(7, 100) for q in range(world)])
+        assert r[3].tobytes() == want.tobytes() and r[3].shape == (world, 7, 100)
+        assert r[4] == (world, 0)
     assert not any(r[0][0] for r in sent), "CGX_UCX_INTRA_SHM=0 turns them off"
     # Nothing of the calls went through messages (the connect's warm-up did).
     assert boxed[0][1] < sent[0][1]
@@ -159,6 +169,18 @@ async def mismatch_job(ctx, numel_of):
         y = np.ones(16, np.float32)
         await comm.allreduce(y)
         return kind, text, took, untouched, float(y[0])
+
+
+async def root_mismatch_job(ctx):
+    async with await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG) as comm:
+        x = np.full(64, float(ctx.rank), np.float32)
+        kind, _, took = await _outcome(comm.broadcast(x, root=min(ctx.rank, 1)))
+        return kind, took, bool(np.all(x == ctx.rank))
+
+
+def test_broadcast_root_mismatch_fails_every_rank():
+    for kind, took, untouched in run_ranks(root_mismatch_job, 3, timeout=90):
+        assert kind == "CollectiveMismatchError" and took < 10 and untouched
 
 
 @pytest.mark.parametrize(

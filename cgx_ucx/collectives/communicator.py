@@ -50,11 +50,14 @@ from .call import Call, what
 from .local import (
     HAND_OVER_S,
     LOCAL_ONESHOT_BYTES,
+    AllgatherOp,
     AllreduceOp,
     BarrierOp,
+    BroadcastOp,
     LocalCall,
     LocalOp,
     Round,
+    claim_blocking,
     signature_words,
     wait_async,
     wait_blocking,
@@ -65,13 +68,15 @@ from .reduce_scatter import prepare_reduce_scatter, run_reduce_scatter
 from .staging import BufferPool
 from .transport import Transport
 
-__all__ = ["CommStats", "Communicator", "connect"]
+__all__ = ["FROM_OP", "CommStats", "Communicator", "connect"]
 
 log = logging.getLogger("cgx_ucx")
 
 S = TypeVar("S")
 R = TypeVar("R")
 
+#: ``result`` of :meth:`Communicator.run_local`: the collective's own result.
+FROM_OP = object()
 #: Early ABORT frames (for collectives this rank has not started yet) kept at most.
 MAX_EARLY_ABORTS = 1024
 #: Values of the warm-up allreduce run by :func:`connect` (:meth:`Communicator.warm_up`):
@@ -313,8 +318,7 @@ class Communicator:
             if op is None:
                 result: R | None = await body(call, state)
             else:
-                result = None
-                await self._run_local_async(call, op)
+                result = await self._run_local_async(call, op)
         except BaseException as exc:
             await self._after_failure(call, exc)
             raise
@@ -402,7 +406,7 @@ class Communicator:
     def _oneshot_limit(self) -> int | None:
         return LOCAL_ONESHOT_BYTES if self._mailbox is not None else None
 
-    async def _run_local_async(self, call: Call, op: LocalOp) -> None:
+    async def _run_local_async(self, call: Call, op: LocalOp) -> Any:
         """A mailbox collective on the engine loop (queued behind others, or the asyncio
         core's own call); its failure is recorded by :meth:`_after_failure`."""
         assert self._mailbox is not None and call.template is not None
@@ -414,10 +418,14 @@ class Communicator:
 
         r = Round(self._mailbox, call.seq, call.name, call.template, self._config.timeout, check)
         async with self._local_lock:
-            check()
-            op.post(r)
-            await wait_async(r)
-            op.finish(r)
+            try:
+                check()
+                await wait_async(r, r.claim)
+                op.post(r)
+                await wait_async(r)
+                return op.finish(r)
+            finally:
+                r.end()
 
     def run_local(
         self,
@@ -425,29 +433,30 @@ class Communicator:
         prepare: Callable[[], tuple[Frame, S]],
         local: Callable[[S], LocalOp | None],
         result: Any = None,
-    ) -> tuple[bool, Coroutine[Any, Any, Any] | None]:
+    ) -> tuple[bool, Any, Coroutine[Any, Any, Any] | None]:
         """Run a collective through the mailboxes on the calling thread, if it goes there.
 
         For :class:`~cgx_ucx.engine.SyncCommunicator`, which calls this only while none
         of its calls is in flight on the engine loop (so the numbering is not shared) and
-        one at a time. Returns (False, None), having done nothing, where the call does not
-        go through the mailboxes (no mailboxes, a closed communicator, arguments the
-        network path must refuse on every rank, a call that does not fit). Otherwise it
-        posts this rank's part and waits a short while (:data:`.local.HAND_OVER_S`): done
-        then, (True, None); a peer still missing, (True, the rest of the call as a
-        coroutine for the engine loop, returning ``result``), so that the caller's thread
-        is not held (an ``async_op`` call, a ``monitored_barrier``'s own timeout). A
-        failure raises its typed error here (the peers are told)."""
+        one at a time. Returns (False, None, None), having done nothing, where the call
+        does not go through the mailboxes (no mailboxes, a closed communicator, arguments
+        the network path must refuse on every rank, a call that does not fit). Otherwise
+        it posts this rank's part and waits a short while (:data:`.local.HAND_OVER_S`):
+        done then, (True, its result, None); a peer still missing, (True, None, the rest
+        of the call as a coroutine for the engine loop, returning the result), so that
+        the caller's thread is not held (an ``async_op`` call, a ``monitored_barrier``'s
+        own timeout). The result is ``result``, or what the collective returns when that
+        is :data:`FROM_OP`. A failure raises its typed error here (the peers are told)."""
         box = self._mailbox
         if box is None or not box.enabled or self._closed:
-            return False, None
+            return False, None, None
         try:
             template, state = prepare()
         except Exception:  # the network path raises it on this rank and aborts the peers
-            return False, None
+            return False, None, None
         op = local(state)
         if op is None:
-            return False, None
+            return False, None, None
         seq = self._seq
         self._seq += 1
         lc = LocalCall()
@@ -467,28 +476,33 @@ class Communicator:
             if early is not None:
                 raise early
             mesh.check()
+            claim_blocking(r)
             op.post(r)
-            if wait_blocking(r, HAND_OVER_S):
-                op.finish(r)
-            else:
-                return True, self._finish_local(r, op, lc, result)
+            if not wait_blocking(r, HAND_OVER_S):
+                return True, None, self._finish_local(r, op, result)
+            value = op.finish(r)
         except BaseException as exc:
+            r.end()
             self._local_failed(r, exc)
             raise
+        r.end()
         self._local_done(r)
-        return True, None
+        return True, (value if result is FROM_OP else result), None
 
-    async def _finish_local(self, r: Round, op: LocalOp, lc: LocalCall, result: Any) -> Any:
+    async def _finish_local(self, r: Round, op: LocalOp, result: Any) -> Any:
         """The rest of a mailbox collective that :meth:`run_local` started, on the loop."""
         try:
             async with self._local_lock:
-                await wait_async(r)
-                op.finish(r)
+                try:
+                    await wait_async(r)
+                    value = op.finish(r)
+                finally:
+                    r.end()
         except BaseException as exc:
             self._local_failed(r, exc)
             raise
         self._local_done(r)
-        return result
+        return value if result is FROM_OP else result
 
     def _local_done(self, r: Round) -> None:
         del self._calls[r.seq]
@@ -640,11 +654,13 @@ class Communicator:
     async def broadcast(self, x: Any, root: int = 0) -> Any:
         """Copy ``root``'s ``x`` into every rank's ``x`` (same shape and dtype everywhere)."""
         await self._collective(
-            "broadcast",
-            lambda: prepare_broadcast(x, root, self.world_size, self.rank),
-            run_broadcast,
+            "broadcast", self.broadcast_call(x, root), run_broadcast, local=BroadcastOp.of
         )
         return x
+
+    def broadcast_call(self, x: Any, root: int = 0) -> Callable[[], tuple[Frame, Any]]:
+        """The argument check of :meth:`broadcast`."""
+        return lambda: prepare_broadcast(x, root, self.world_size, self.rank)
 
     async def allgather(
         self, x: Any, out: Any = None, reduce_op: str | None = None, root: int | None = None
@@ -655,9 +671,16 @@ class Communicator:
         disagree on either raise a mismatch."""
         return await self._collective(
             "allgather",
-            lambda: prepare_allgather(x, out, self.world_size, reduce_op, root),
+            self.allgather_call(x, out, reduce_op, root),
             run_allgather,
+            local=AllgatherOp.of,
         )
+
+    def allgather_call(
+        self, x: Any, out: Any = None, reduce_op: str | None = None, root: int | None = None
+    ) -> Callable[[], tuple[Frame, Any]]:
+        """The argument check of :meth:`allgather`."""
+        return lambda: prepare_allgather(x, out, self.world_size, reduce_op, root)
 
     async def barrier(self) -> None:
         """Return once every rank has entered the barrier."""

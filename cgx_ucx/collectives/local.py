@@ -29,6 +29,7 @@ closes or is late past the timeout is named in a typed error.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -55,12 +56,15 @@ from .staging import byte_view
 __all__ = [
     "HAND_OVER_S",
     "LOCAL_ONESHOT_BYTES",
+    "AllgatherOp",
     "AllreduceOp",
     "BarrierOp",
+    "BroadcastOp",
     "LocalCall",
     "LocalOp",
     "Round",
     "allreduce_fits",
+    "claim_blocking",
     "finish_allreduce",
     "post_allreduce",
     "signature_words",
@@ -79,8 +83,9 @@ SPIN_S = 1e-3
 LOOP_SPIN_S = 500e-6
 #: Ordered loads per compiled spin call (a few microseconds each).
 SPINS = 256
-#: Then seconds of yielding (sleep 0: the thread or loop gives way but stays awake), and
-#: sleeps between checks from FIRST_SLEEP_S, doubling to MAX_SLEEP_S.
+#: Then seconds of yielding (sched_yield: a peer sharing the core runs, this thread stays
+#: ready), and sleeps between checks from FIRST_SLEEP_S, doubling to MAX_SLEEP_S (on the
+#: loop a sleep lasts at least a millisecond: epoll's resolution).
 YIELD_S = 2e-3
 #: Seconds a caller's thread waits (spinning, then yielding) before it hands the rest of
 #: the wait to the engine loop and returns a pending future: it must not be held for a
@@ -137,7 +142,9 @@ class Round:
         self.timeout = timeout
         self.check = check
         self.rank = box.rank
-        self.missing = [p for p in range(box.world_size) if p != box.rank]
+        self.peers = [p for p in range(box.world_size) if p != box.rank]
+        self.missing = list(self.peers)
+        self.waiting_for = "no contribution"  # what a timeout says of the missing peer
         self._slots: list[int] = []  # the slot each rank's contribution was read from
         self.start = time.monotonic()
         self._alive_at = self.start
@@ -148,6 +155,27 @@ class Round:
 
     def post(self, nbytes: int) -> None:
         self.box.post(self.seq, self.sig, nbytes)
+
+    def claim(self, spins: int) -> bool:
+        """True once every peer is done with what this rank's next slot holds (at once,
+        but for a collective that ended early on some rank: a third rank's abort, say).
+        The first step of a round, before its payload is written."""
+        held = self.box.held()
+        try:
+            self.missing = [p for p in self.missing if not self.box.released(p, held)]
+        except KeyError:
+            raise TransportError("the communicator was closed during the collective") from None
+        if self.missing:
+            self.waiting_for = f"still reading collective #{held} from this rank"
+            return False
+        self.missing = list(self.peers)
+        self.waiting_for = "no contribution"
+        return True
+
+    def end(self) -> None:
+        """The last step of a round, whatever its outcome: peers may rewrite its slots."""
+        if self.box.enabled:
+            self.box.finished(self.seq)
 
     def poll(self, spins: int) -> bool:
         """True once every peer posted; raises what makes waiting pointless."""
@@ -222,8 +250,8 @@ class Round:
         if now - self.start > self.timeout:
             p = self.missing[0]
             raise CGXTimeoutError(
-                f"collective #{self.seq} ({self.name}): no contribution from rank {p} within "
-                f"{self.timeout:g} s; rank {p} is alive, {self._doing(p)}",
+                f"collective #{self.seq} ({self.name}): {self.waiting_for} from rank {p} "
+                f"within {self.timeout:g} s; rank {p} is alive, {self._doing(p)}",
                 peer=p,
                 alive=True,
             )
@@ -292,42 +320,54 @@ def _spins() -> int:
     return 0 if progress.host_oversubscribed() else SPINS
 
 
-def wait_blocking(r: Round, budget: float) -> bool:
-    """Wait on this thread until every peer posted ``r`` (True), at most ``budget``
-    seconds (then False: the caller hands the rest to :func:`wait_async`)."""
+def wait_blocking(r: Round, budget: float, poll: Callable[[int], bool] | None = None) -> bool:
+    """Wait on this thread until every peer posted ``r`` (or ``poll``, e.g.
+    :meth:`Round.claim`, says True), at most ``budget`` seconds (then False: the caller
+    hands the rest to :func:`wait_async`)."""
+    poll = r.poll if poll is None else poll
     spins = _spins()
-    if r.poll(spins):
+    if poll(spins):
         return True
     start = time.perf_counter()
     spin_end = start + (SPIN_S if spins else 0.0)
     while time.perf_counter() < spin_end:
-        if r.poll(spins):
+        if poll(spins):
             return True
     end = start + budget
     while time.perf_counter() < end:
         r.overdue()
-        time.sleep(0)
-        if r.poll(1):
+        os.sched_yield()  # a peer sharing this core runs now
+        if poll(1):
             return True
     return False
 
 
-async def wait_async(r: Round) -> None:
-    """Wait on the event loop until every peer posted ``r`` (a short spin holds the loop
-    up; then it yields and sleeps, letting other collectives progress)."""
+def claim_blocking(r: Round) -> None:
+    """:meth:`Round.claim` on this thread (bounded by the round's deadline)."""
+    while not wait_blocking(r, MAX_SLEEP_S, r.claim):
+        time.sleep(MAX_SLEEP_S)
+
+
+async def wait_async(r: Round, poll: Callable[[int], bool] | None = None) -> None:
+    """Wait on the event loop until every peer posted ``r`` (or ``poll`` says True; a
+    short spin holds the loop up; then it yields and sleeps, letting other collectives
+    progress)."""
+    poll = r.poll if poll is None else poll
     spins = _spins()
-    if r.poll(spins):
+    if poll(spins):
         return
     spin_end = time.perf_counter() + (LOOP_SPIN_S if spins else 0.0)
     while time.perf_counter() < spin_end:
-        if r.poll(spins):
+        if poll(spins):
             return
     yield_end = time.perf_counter() + YIELD_S
     pause = 0.0
     while True:
         r.overdue()
+        if not pause:
+            os.sched_yield()  # the loop's turn goes on, but a peer sharing this core runs
         await asyncio.sleep(pause)
-        if r.poll(1):
+        if poll(1):
             return
         if time.perf_counter() > yield_end:
             pause = min(max(pause * 2, FIRST_SLEEP_S), MAX_SLEEP_S)
@@ -363,24 +403,32 @@ def post_allreduce(r: Round, flat: Any, spec: AllreduceSpec) -> int:
 
 
 def finish_allreduce(r: Round, flat: Any, spec: AllreduceSpec) -> None:
-    """x = the rank-ordered reduction of every posted contribution (as :mod:`.oneshot`)."""
+    """x = the rank-ordered reduction of every posted contribution: the same float
+    operations as :mod:`.oneshot`'s, in fewer passes over memory (the first two
+    contributions added in one; a float32 buffer is its own accumulator)."""
     parts = r.contributions()
     dtype = flat.dtype
-    if spec.raw:
-        acc = flat if spec.acc_dtype == dtype else np.empty(flat.size, spec.acc_dtype)
-        acc[...] = _values(parts[0], dtype)
-        for part in parts[1:]:
-            np.add(acc, _values(part, dtype), out=acc)
-    else:
-        piece = spec.plan.chunks[0].pieces[0]
-        acc = np.zeros(flat.size, np.float32)
-        for part in parts:
-            decode_add_piece(part, piece, acc, 0, dtype)
-    r.verify()
-    if spec.avg:
-        np.divide(acc, len(parts), out=acc)
-    if acc is not flat:
-        flat[...] = acc
+    with np.errstate(over="ignore"):  # IEEE overflow to inf, as the message path
+        if spec.raw:
+            acc = flat if spec.acc_dtype == dtype else np.empty(flat.size, spec.acc_dtype)
+            if len(parts) == 1:
+                acc[...] = _values(parts[0], dtype)
+            else:
+                v0, v1 = _values(parts[0], dtype), _values(parts[1], dtype)
+                np.add(v0, v1, out=acc, dtype=acc.dtype)
+            for part in parts[2:]:
+                np.add(acc, _values(part, dtype), out=acc)
+        else:
+            piece = spec.plan.chunks[0].pieces[0]
+            acc = flat if dtype == np.float32 else np.empty(flat.size, np.float32)
+            acc[...] = 0
+            for part in parts:
+                decode_add_piece(part, piece, acc, 0, dtype)
+        r.verify()
+        if spec.avg:
+            np.divide(acc, len(parts), out=acc)
+        if acc is not flat:
+            flat[...] = acc
 
 
 def _values(part: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -391,11 +439,12 @@ def _values(part: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 
 class LocalOp(Protocol):
-    """A collective's two steps around the wait: post this rank's part, use everyone's."""
+    """A collective's two steps around the wait: post this rank's part, use everyone's
+    (returning the collective's result)."""
 
     def post(self, r: Round) -> int: ...
 
-    def finish(self, r: Round) -> None: ...
+    def finish(self, r: Round) -> Any: ...
 
 
 class AllreduceOp:
@@ -432,3 +481,80 @@ class BarrierOp:
     def finish(self, r: Round) -> None:
         r.contributions()
         r.verify()
+
+
+def _fits(flat: Any) -> bool:
+    """A host buffer whose bytes fit one slot."""
+    return not is_cupy(flat) and flat.nbytes <= SLOT_BYTES
+
+
+def _post_bytes(r: Round, flat: Any) -> int:
+    raw = byte_view(flat)
+    r.buffer()[: raw.size] = raw
+    r.post(int(raw.size))
+    return int(raw.size)
+
+
+def _payload(r: Round, parts: list[np.ndarray], q: int, nbytes: int) -> np.ndarray:
+    if parts[q].size != nbytes:
+        raise ProtocolError(
+            f"collective #{r.seq} ({r.name}): rank {q} posted {parts[q].size} bytes, "
+            f"{nbytes} expected"
+        )
+    return parts[q]
+
+
+class BroadcastOp:
+    """The root posts its buffer; every other rank copies it (and posts nothing, but its
+    signature, so that every rank checks every other)."""
+
+    def __init__(self, flat: Any, root: int) -> None:
+        self.flat = flat
+        self.root = root
+
+    @classmethod
+    def of(cls, state: tuple[Any, int]) -> BroadcastOp | None:
+        flat, root = state
+        return cls(flat, root) if _fits(flat) else None
+
+    def post(self, r: Round) -> int:
+        if r.rank == self.root:
+            return _post_bytes(r, self.flat)
+        r.post(0)
+        return 0
+
+    def finish(self, r: Round) -> None:
+        parts = r.contributions()
+        if r.rank != self.root:
+            data = _payload(r, parts, self.root, int(self.flat.nbytes))
+            byte_view(self.flat)[...] = data
+        r.verify()
+
+
+class AllgatherOp:
+    """Every rank posts its buffer; every rank copies all of them into its output rows."""
+
+    def __init__(self, flat: Any, rows: Any, dst: Any) -> None:
+        self.flat = flat
+        self.rows = rows
+        self.dst = dst
+
+    @classmethod
+    def of(cls, state: tuple[Any, Any, Any]) -> AllgatherOp | None:
+        flat, rows, dst = state
+        return cls(flat, rows, dst) if _fits(flat) and not is_cupy(rows) else None
+
+    def post(self, r: Round) -> int:
+        return _post_bytes(r, self.flat)
+
+    def finish(self, r: Round) -> Any:
+        parts = r.contributions()
+        nbytes = int(self.flat.nbytes)
+        for q in range(len(parts)):
+            data = _payload(r, parts, q, nbytes)
+            if q == r.rank:
+                self.rows[q] = self.flat
+            elif nbytes:
+                self.rows[q] = data.view(self.flat.dtype)
+        r.verify()
+        return self.dst

@@ -64,6 +64,7 @@ SIG_WORDS = 8
 # Header words.
 W_MAGIC, W_STATE, W_POSTED, W_STARTED = 0, 1, 2, 3
 W_STARTED_SIG = 4  # .. 11
+W_FINISHED = 15  # the last collective this rank finished with (read, or gave up)
 #: Abort records kept (by collective number modulo this), 4 words each from word 32.
 ABORTS = 8
 _W_ABORTS = 32
@@ -133,6 +134,7 @@ class Mailbox:
         self.peer_pids: dict[int, int] = {}
         self._maps: list[mmap.mmap] = []
         self._posts = 0  # contributions posted: slots alternate by this count
+        self._slot_seq = [0, 0]  # the collective each of our slots holds
         self.enabled = False
 
     # -- setup ------------------------------------------------------------------------
@@ -169,9 +171,30 @@ class Mailbox:
         return int(_load(self.peer_words[peer], W_STATE))
 
     # -- posting ----------------------------------------------------------------------
+    def held(self) -> int:
+        """The collective that the slot of this rank's next post still holds (0: none):
+        it may be rewritten once every peer :meth:`released` it."""
+        return self._slot_seq[self._posts % 2]
+
+    def released(self, peer: int, seq: int) -> bool:
+        """Whether ``peer`` is done with this rank's post of collective ``seq``: it
+        finished that collective, or posted a later one (a rank's mailbox collectives run
+        one at a time, in number order), or gave it up."""
+        words = self.peer_words[peer]
+        return (
+            int(_load(words, W_FINISHED)) >= seq
+            or int(_load(words, W_POSTED)) > seq
+            or self.aborted(peer, seq) is not None
+        )
+
+    def finished(self, seq: int) -> None:
+        """Say that this rank is done with collective ``seq`` (read, or given up)."""
+        _store(self.words, W_FINISHED, seq)
+
     def begin_post(self) -> np.ndarray:
         """The slot this rank's next contribution goes into (the one it did not use last
-        time), marked as holding nothing until :meth:`post`; write the payload there."""
+        time, once every peer :meth:`released` what it holds), marked as holding nothing
+        until :meth:`post`; write the payload there."""
         slot = self._posts % 2
         _store(self._meta(self.own, slot), 0, 0)
         start = _HEADER + slot * SLOT_BYTES
@@ -185,6 +208,7 @@ class Mailbox:
         meta[2 : 2 + SIG_WORDS] = sig
         _store(meta, 0, seq)
         _store(self.words, W_POSTED, seq)
+        self._slot_seq[self._posts % 2] = seq
         self._posts += 1
 
     def announce(self, seq: int, sig: np.ndarray) -> None:
