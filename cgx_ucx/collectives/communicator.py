@@ -147,7 +147,7 @@ async def connect(
     # codec-ready counter (that peer failed, then so did this rank).
     comm = Communicator(mesh, config, keep_alive=owned_store)
     try:
-        await comm.warm_up()
+        await comm.warm_up()  # over the network: UCX's first messages on each endpoint
         await comm.attach_mailbox(store, prefix)
     except BaseException:
         with contextlib.suppress(Exception):  # the warm-up's error is the one to raise
@@ -311,7 +311,7 @@ class Communicator:
             # Peers that time out waiting for us are told which call we are in (issue 13).
             self._mesh.collective_started(seq, what(name, template))
             box = self._mailbox
-            if box is not None and counted:
+            if box is not None:
                 op = local(state) if local is not None else None
                 if op is None:  # peers waiting in their mailboxes see where this one went
                     box.announce(seq, signature_words(call.template))
@@ -365,10 +365,14 @@ class Communicator:
         except BaseException:
             box.close()
             raise
-        if box.enabled:
-            self._mailbox = box
-        else:
+        if not box.enabled:
             box.close()
+            return
+        self._mailbox = box
+        # The warm-up once more, through the mailboxes: their first call's costs (a
+        # kernel loaded for a peer's read-only bytes, first runs of the path) move into
+        # connect too.
+        await self._warm_up_allreduce()
 
     async def _exchange_mailboxes(self, box: Mailbox, store: Any, prefix: str) -> None:
         """Publish ``box`` in the store, map every peer's, and agree (through the
@@ -577,6 +581,9 @@ class Communicator:
         if self.world_size == 1 or self._warm:
             return
         self._warm = True
+        await self._warm_up_allreduce()
+
+    async def _warm_up_allreduce(self) -> None:
         stats = self._mesh.stats
         before = (
             stats.bytes_sent,
@@ -592,6 +599,7 @@ class Communicator:
             ),
             run_allreduce,
             seq=0,
+            local=AllreduceOp.of,
         )
         (stats.bytes_sent, stats.bytes_received, stats.messages_sent, stats.messages_received) = (
             before

@@ -263,7 +263,7 @@ class Round:
         started, sig = box.started(p)
         if started > posted:
             return f"last in collective #{started} ({self._what(sig)}, over the network)"
-        if not posted:
+        if posted < 0:
             return "in no collective since it connected"
         try:
             sig, _, _ = box.contribution(p, posted)

@@ -12,7 +12,8 @@ Each rank owns one segment (a ``memfd``, as :mod:`.shm`), mapped read-write by i
 read-only by its peers (through ``/proc/<pid>/fd``, identity checked): a rank writes only
 its own memory. Layout, little-endian 64-bit words:
 
-- the header (word index): 0 magic, 1 state (attached, failed, closed), 2 the number of
+- the header (word index; a collective's number is stored plus one, so that 0 means
+  none): 0 magic, 1 state (attached, failed, closed), 2 the number of
   the last collective whose contribution is posted, 3 the number of the last collective
   this rank started over the network (with its signature at 4-11, so a peer waiting here
   for the same number sees the mismatch instead of a silent wait); at byte 256 a ring of
@@ -110,6 +111,10 @@ def compile_kernels() -> bool:
     k.store(w, 0, 1)
     k.load(w, 0)
     k.spin(w, 0, 1, 1)
+    peer = w.copy()  # a peer's words are read-only: a signature of their own
+    peer.flags.writeable = False
+    k.load(peer, 0)
+    k.spin(peer, 0, 1, 1)
     _store, _load, _spin = k.store, k.load, k.spin
     return True
 
@@ -134,7 +139,7 @@ class Mailbox:
         self.peer_pids: dict[int, int] = {}
         self._maps: list[mmap.mmap] = []
         self._posts = 0  # contributions posted: slots alternate by this count
-        self._slot_seq = [0, 0]  # the collective each of our slots holds
+        self._slot_mark = [0, 0]  # the collective each of our slots holds, + 1 (0: none)
         self.enabled = False
 
     # -- setup ------------------------------------------------------------------------
@@ -174,7 +179,7 @@ class Mailbox:
     def held(self) -> int:
         """The collective that the slot of this rank's next post still holds (0: none):
         it may be rewritten once every peer :meth:`released` it."""
-        return self._slot_seq[self._posts % 2]
+        return self._slot_mark[self._posts % 2] - 1
 
     def released(self, peer: int, seq: int) -> bool:
         """Whether ``peer`` is done with this rank's post of collective ``seq``: it
@@ -182,14 +187,15 @@ class Mailbox:
         one at a time, in number order), or gave it up."""
         words = self.peer_words[peer]
         return (
-            int(_load(words, W_FINISHED)) >= seq
-            or int(_load(words, W_POSTED)) > seq
+            seq < 0
+            or int(_load(words, W_FINISHED)) > seq
+            or int(_load(words, W_POSTED)) > seq + 1
             or self.aborted(peer, seq) is not None
         )
 
     def finished(self, seq: int) -> None:
         """Say that this rank is done with collective ``seq`` (read, or given up)."""
-        _store(self.words, W_FINISHED, seq)
+        _store(self.words, W_FINISHED, seq + 1)
 
     def begin_post(self) -> np.ndarray:
         """The slot this rank's next contribution goes into (the one it did not use last
@@ -206,15 +212,15 @@ class Mailbox:
         meta = self._meta(self.own, self._posts % 2)
         meta[1] = nbytes
         meta[2 : 2 + SIG_WORDS] = sig
-        _store(meta, 0, seq)
-        _store(self.words, W_POSTED, seq)
-        self._slot_seq[self._posts % 2] = seq
+        _store(meta, 0, seq + 1)
+        _store(self.words, W_POSTED, seq + 1)
+        self._slot_mark[self._posts % 2] = seq + 1
         self._posts += 1
 
     def announce(self, seq: int, sig: np.ndarray) -> None:
         """Say that collective ``seq`` runs over the network here (signature ``sig``)."""
         self.words[W_STARTED_SIG : W_STARTED_SIG + SIG_WORDS] = sig
-        _store(self.words, W_STARTED, seq)
+        _store(self.words, W_STARTED, seq + 1)
 
     def abort(self, seq: int, code: int, culprit: int, reason: str) -> None:
         """Record that this rank gave up collective ``seq`` (``code``: an AbortCode;
@@ -226,20 +232,21 @@ class Mailbox:
         self.words[w] = 0  # invalid while it is rewritten
         self.own[at : at + len(text)] = np.frombuffer(text, np.uint8)
         self.words[w + 1 : w + 4] = (code, culprit, len(text))
-        _store(self.words, w, seq)
+        _store(self.words, w, seq + 1)
 
     # -- reading peers ----------------------------------------------------------------
     def spin_posted(self, peer: int, seq: int, spins: int) -> bool:
         """Whether ``peer`` posted collective ``seq`` (or later) within ``spins`` loads."""
-        return bool(_spin(self.peer_words[peer], W_POSTED, seq, spins))
+        return bool(_spin(self.peer_words[peer], W_POSTED, seq + 1, spins))
 
     def posted(self, peer: int) -> int:
-        return int(_load(self.peer_words[peer], W_POSTED))
+        """The last collective ``peer`` posted (-1: none)."""
+        return int(_load(self.peer_words[peer], W_POSTED)) - 1
 
     def started(self, peer: int) -> tuple[int, np.ndarray]:
         """The last collective ``peer`` started over the network, and its signature."""
         words = self.peer_words[peer]
-        seq = int(_load(words, W_STARTED))
+        seq = int(_load(words, W_STARTED)) - 1
         return seq, words[W_STARTED_SIG : W_STARTED_SIG + SIG_WORDS].copy()
 
     def aborted(self, peer: int, seq: int) -> tuple[int, int, str] | None:
@@ -247,12 +254,12 @@ class Mailbox:
         words = self.peer_words[peer]
         i = seq % ABORTS
         w = _W_ABORTS + 4 * i
-        if seq == 0 or int(_load(words, w)) != seq:
+        if int(_load(words, w)) != seq + 1:
             return None
         code, culprit, n = (int(v) for v in words[w + 1 : w + 4])
         at = _REASONS_AT + i * REASON_BYTES
         reason = bytes(self.peer_bytes[peer][at : at + min(n, REASON_BYTES)])
-        if int(_load(words, w)) != seq:  # rewritten meanwhile: a later collective's
+        if int(_load(words, w)) != seq + 1:  # rewritten meanwhile: a later collective's
             return None
         return code, culprit, reason.decode("utf-8", "replace")
 
@@ -262,10 +269,10 @@ class Mailbox:
         data = self.own if peer == self.rank else self.peer_bytes[peer]
         for slot in (0, 1):
             meta = self._meta(data, slot)
-            if int(_load(meta, 0)) == seq:
+            if int(_load(meta, 0)) == seq + 1:
                 break
         else:
-            held = [int(self._meta(data, s)[0]) for s in (0, 1)]
+            held = [int(self._meta(data, s)[0]) - 1 for s in (0, 1)]
             raise ProtocolError(f"rank {peer}'s mailbox holds collectives {held}, not #{seq}")
         nbytes = int(meta[1])
         if nbytes > SLOT_BYTES:
@@ -277,7 +284,7 @@ class Mailbox:
         """Whether ``peer``'s ``slot`` still holds collective ``seq`` (checked after the
         payload was read: a writer clears the number before it rewrites the slot)."""
         data = self.own if peer == self.rank else self.peer_bytes[peer]
-        return int(_load(self._meta(data, slot), 0)) == seq
+        return int(_load(self._meta(data, slot), 0)) == seq + 1
 
     @staticmethod
     def _meta(data: np.ndarray, slot: int) -> np.ndarray:
