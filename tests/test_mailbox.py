@@ -59,7 +59,7 @@ async def results_job(ctx):
         await comm.broadcast(b, root=ctx.world_size - 1)
         g = await comm.allgather(values(ctx.rank, 700, np.int32).reshape(7, 100))
         empty = await comm.allgather(np.zeros(0, np.float32))
-        return out, comm.stats.messages_sent, b, g, empty.shape
+        return out, comm.stats.messages_sent, b, g, empty.shape, comm.stats.bytes_sent
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -75,6 +75,8 @@ def test_mailbox_results_equal_the_message_path(world):
     assert not any(r[0][0] for r in sent), "CGX_UCX_INTRA_SHM=0 turns them off"
     # Nothing of the calls went through messages (the connect's warm-up did).
     assert boxed[0][1] < sent[0][1]
+    # ... but their payload counts in the statistics: each peer read this rank's posts.
+    assert boxed[0][5] > 0
     for i, (numel, dtype, bits, op) in enumerate(CASES, start=1):
         mine = boxed[0][0][i]
         for r in range(world):  # replicas bit-identical

@@ -427,9 +427,11 @@ class Communicator:
                 await wait_async(r, r.claim)
                 op.post(r)
                 await wait_async(r)
-                return op.finish(r)
+                result = op.finish(r)
             finally:
                 r.end()
+        self._count_bytes(r)
+        return result
 
     def run_local(
         self,
@@ -512,6 +514,14 @@ class Communicator:
         del self._calls[r.seq]
         self._mesh.activity.finished(r.seq)
         self._count(r.name)
+        self._count_bytes(r)
+
+    def _count_bytes(self, r: Round) -> None:
+        """A mailbox collective's payload in :attr:`stats`: what each peer read of this
+        rank's post, and what this rank read of theirs (no message, no header)."""
+        stats = self._mesh.stats
+        stats.bytes_sent += r.sent * (self.world_size - 1)
+        stats.bytes_received += r.received
 
     def _local_failed(self, r: Round, exc: BaseException) -> None:
         """After a failed mailbox collective of :meth:`run_local`: the peers are told (in

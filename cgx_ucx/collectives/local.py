@@ -146,6 +146,9 @@ class Round:
         self.missing = list(self.peers)
         self.waiting_for = "no contribution"  # what a timeout says of the missing peer
         self._slots: list[int] = []  # the slot each rank's contribution was read from
+        #: Payload bytes this rank posted (each peer reads them) and read from its peers.
+        self.sent = 0
+        self.received = 0
         self.start = time.monotonic()
         self._alive_at = self.start
 
@@ -155,6 +158,7 @@ class Round:
 
     def post(self, nbytes: int) -> None:
         self.box.post(self.seq, self.sig, nbytes)
+        self.sent = nbytes
 
     def claim(self, spins: int) -> bool:
         """True once every peer is done with what this rank's next slot holds (at once,
@@ -290,6 +294,7 @@ class Round:
                 problems.append(self._mismatch(q, sig))
             out.append(payload)
             self._slots.append(slot)
+        self.received = sum(int(p.size) for q, p in enumerate(out) if q != self.rank)
         if problems:
             raise mismatch_error(self.seq, self.name, problems)
         return out
