@@ -103,10 +103,14 @@ def test_mailbox_results_equal_the_message_path(world):
 def sync_job(ctx):
     comm = connect_sync(ctx.store, ctx.rank, ctx.world_size, config=CFG)
     try:
-        x = values(ctx.rank, 1024)
-        fut = comm.allreduce(x, bits=32)
-        ran_inline = fut.done()  # on the caller's thread: done when it returns
-        fut.result(10)
+        comm.barrier().result(10)
+        inline = 0
+        for _ in range(20):  # on the caller's thread: done when it returns (unless a peer
+            x = values(ctx.rank, 1024)  # was more than HAND_OVER_S late)
+            fut = comm.allreduce(x, bits=32)
+            inline += fut.done()
+            fut.result(10)
+        ran_inline = inline > 0
         # Calls queued behind an engine call keep their order (and use the mailbox from
         # the loop): a large allreduce in flight, then small ones.
         big = np.ones(4 << 20, np.float32) * (ctx.rank + 1)
@@ -343,3 +347,80 @@ def test_mailbox_post_and_read_back():
     finally:
         a.close()
         b.close()
+
+
+# -- review findings (session 11) ------------------------------------------------------
+
+
+def stuck_peer_job(ctx):
+    """Rank 1 is alive but never calls again: every call of rank 0 must end typed, also
+    the third, whose slot rank 1 never released (it blocked forever, the lock held)."""
+    comm = connect_sync(ctx.store, ctx.rank, ctx.world_size, config=CommConfig(timeout=2.0))
+    comm.barrier().result(10)
+    if ctx.rank == 1:
+        time.sleep(12)
+        return []
+    out = []
+    for _ in range(3):
+        start = time.monotonic()
+        try:
+            comm.allreduce(np.ones(16, np.float32)).result(15)
+            out.append(("no error", 0.0))
+        except Exception as exc:
+            out.append((type(exc).__name__, time.monotonic() - start))
+    return out
+
+
+def test_a_stuck_peer_times_out_every_call():
+    res = run_ranks(stuck_peer_job, 2, timeout=90)
+    assert [kind for kind, _ in res[0]] == ["CGXTimeoutError"] * 3
+    assert all(took < 6 for _, took in res[0])
+
+
+def close_race_job(ctx):
+    """Rank 0 closes its communicator from the main thread while a worker thread runs
+    1 MiB mailbox allreduces on it: the worker's calls end in typed errors (or succeed)."""
+    comm = connect_sync(ctx.store, ctx.rank, ctx.world_size, config=CommConfig(timeout=5.0))
+    kinds = []
+
+    def worker():
+        x = np.ones(1 << 18, np.float32)
+        for _ in range(200):
+            try:
+                comm.allreduce(x, bits=4).result(10)
+                kinds.append("ok")
+            except Exception as exc:
+                kinds.append(type(exc).__name__)
+                if comm.closed or isinstance(exc, PeerLostError):
+                    return
+
+    t = threading.Thread(target=worker)
+    t.start()
+    time.sleep(0.3)
+    if ctx.rank == 0:
+        comm.close(timeout=10)
+    t.join(60)
+    if ctx.rank == 1:
+        comm.close(timeout=10)
+    return sorted(set(kinds)), t.is_alive()
+
+
+def test_close_while_a_thread_runs_mailbox_calls():
+    res = run_ranks(close_race_job, 2, timeout=120)
+    for kinds, hung in res:
+        assert not hung
+        assert set(kinds) <= {"ok", "TransportError", "PeerLostError", "CGXTimeoutError"}, kinds
+
+
+async def shm_disagreement_job(ctx):
+    try:
+        await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG)
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    return "connected", ""
+
+
+def test_ranks_disagreeing_on_intra_shm_fail_connect_typed():
+    env = lambda rank: MESSAGES_ONLY if rank == 0 else {}  # noqa: E731
+    for kind, text in run_ranks(shm_disagreement_job, 2, timeout=90, env=env):
+        assert kind == "ConfigError" and "CGX_UCX_INTRA_SHM" in text, text

@@ -57,7 +57,6 @@ from .local import (
     LocalCall,
     LocalOp,
     Round,
-    claim_blocking,
     signature_words,
     wait_async,
     wait_blocking,
@@ -75,6 +74,8 @@ log = logging.getLogger("cgx_ucx")
 S = TypeVar("S")
 R = TypeVar("R")
 
+#: What a rank publishes instead of its mailbox when CGX_UCX_INTRA_SHM is off.
+_SHM_OFF = b"off"
 #: ``result`` of :meth:`Communicator.run_local`: the collective's own result.
 FROM_OP = object()
 #: Early ABORT frames (for collectives this rank has not started yet) kept at most.
@@ -239,7 +240,8 @@ class Communicator:
         for call in list(self._calls.values()):
             call.fail(TransportError("the communicator was closed during the collective"))
         if self._mailbox is not None:
-            self._mailbox.close()
+            self._mailbox.close()  # a round still running on a caller's thread raises
+            self._mailbox = None
         await self._mesh.close()
         self._codec.close()
         self._pool.clear()
@@ -346,7 +348,8 @@ class Communicator:
 
     async def attach_mailbox(self, store: Any, prefix: str) -> None:
         """Give this group mailboxes if every rank runs on this host (run by
-        :func:`connect` on every rank; all ranks or none end with them)."""
+        :func:`connect` on every rank; all ranks or none end with them). Ranks of one host
+        that disagree on ``CGX_UCX_INTRA_SHM`` raise ConfigError, every one of them."""
         mesh = self._mesh
         n = self.world_size
         if (
@@ -354,19 +357,22 @@ class Communicator:
             or len(getattr(mesh, "local_ranks", ())) != n
             or getattr(mesh, "topology", None) is None
             or mesh.topology.num_nodes != 1
-            or not mesh.hierarchy.intra_shm
             or not shm.available()
         ):
-            return
-        compile_kernels()
-        box = Mailbox(self.rank, n)
+            return  # the same on every rank: the topology is shared
+        box = None
+        if mesh.hierarchy.intra_shm:
+            compile_kernels()
+            box = Mailbox(self.rank, n)
         try:
             await self._exchange_mailboxes(box, store, prefix)
         except BaseException:
-            box.close()
+            if box is not None:
+                box.close()
             raise
-        if not box.enabled:
-            box.close()
+        if box is None or not box.enabled:
+            if box is not None:
+                box.close()
             return
         self._mailbox = box
         # The warm-up once more, through the mailboxes: their first call's costs (a
@@ -374,12 +380,13 @@ class Communicator:
         # connect too.
         await self._warm_up_allreduce()
 
-    async def _exchange_mailboxes(self, box: Mailbox, store: Any, prefix: str) -> None:
-        """Publish ``box`` in the store, map every peer's, and agree (through the
-        mailboxes' state words) whether every rank mapped every other."""
+    async def _exchange_mailboxes(self, box: Mailbox | None, store: Any, prefix: str) -> None:
+        """Publish ``box`` in the store (or that this rank has node-local shared memory
+        off), map every peer's, and agree (through the mailboxes' state words) whether
+        every rank mapped every other."""
         mesh, n = self._mesh, self.world_size
         base = f"{prefix}/mailbox/{mesh.job:x}"
-        store.set(f"{base}/{self.rank}", bytes(box.descriptor().pack()))
+        store.set(f"{base}/{self.rank}", bytes(box.descriptor().pack()) if box else _SHM_OFF)
         end = time.monotonic() + self._config.connect_timeout
         count = int(store.add(f"{base}/count", 1))
         while count < n:
@@ -387,11 +394,17 @@ class Communicator:
                 raise CGXTimeoutError("not every rank published its mailbox within connect_timeout")
             await asyncio.sleep(0.002)
             count = int(store.add(f"{base}/count", 0))
-        descs = {
-            p: shm.Descriptor.unpack(np.frombuffer(store.get(f"{base}/{p}"), np.uint8))
-            for p in range(n)
-            if p != self.rank
-        }
+        raw = {p: bytes(store.get(f"{base}/{p}")) for p in range(n) if p != self.rank}
+        off = sorted(p for p, v in raw.items() if v == _SHM_OFF) + ([] if box else [self.rank])
+        if off:
+            if len(off) == n:
+                return
+            raise ConfigError(
+                f"ranks of one host disagree on CGX_UCX_INTRA_SHM: ranks {off} have "
+                "node-local shared memory off, the others on; set it the same on every rank"
+            )
+        assert box is not None
+        descs = {p: shm.Descriptor.unpack(np.frombuffer(v, np.uint8)) for p, v in raw.items()}
         why = box.attach(descs)
         if why is not None:
             log.warning("rank %d: no node-local mailboxes (%s)", self.rank, why)
@@ -464,9 +477,9 @@ class Communicator:
         if op is None:
             return False, None, None
         seq = self._seq
-        self._seq += 1
         lc = LocalCall()
-        self._calls[seq] = lc
+        self._calls[seq] = lc  # before the number moves on: an ABORT for it finds it
+        self._seq = seq + 1
         early = self._early.pop(seq, None)
         mesh = self._mesh
         template = template.with_(job=mesh.job, seq=seq, src=self.rank, comm=mesh.comm_id)
@@ -482,10 +495,11 @@ class Communicator:
             if early is not None:
                 raise early
             mesh.check()
-            claim_blocking(r)
+            if not wait_blocking(r, HAND_OVER_S, r.claim):  # a peer still reads our slot
+                return True, None, self._finish_local(r, op, result, posted=False)
             op.post(r)
             if not wait_blocking(r, HAND_OVER_S):
-                return True, None, self._finish_local(r, op, result)
+                return True, None, self._finish_local(r, op, result, posted=True)
             value = op.finish(r)
         except BaseException as exc:
             r.end()
@@ -495,11 +509,15 @@ class Communicator:
         self._local_done(r)
         return True, (value if result is FROM_OP else result), None
 
-    async def _finish_local(self, r: Round, op: LocalOp, result: Any) -> Any:
-        """The rest of a mailbox collective that :meth:`run_local` started, on the loop."""
+    async def _finish_local(self, r: Round, op: LocalOp, result: Any, posted: bool) -> Any:
+        """The rest of a mailbox collective that :meth:`run_local` started, on the loop
+        (``posted``: this rank's part is posted already)."""
         try:
             async with self._local_lock:
                 try:
+                    if not posted:
+                        await wait_async(r, r.claim)
+                        op.post(r)
                     await wait_async(r)
                     value = op.finish(r)
                 finally:

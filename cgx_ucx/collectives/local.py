@@ -64,7 +64,6 @@ __all__ = [
     "LocalOp",
     "Round",
     "allreduce_fits",
-    "claim_blocking",
     "finish_allreduce",
     "post_allreduce",
     "signature_words",
@@ -144,7 +143,7 @@ class Round:
         self.rank = box.rank
         self.peers = [p for p in range(box.world_size) if p != box.rank]
         self.missing = list(self.peers)
-        self.waiting_for = "no contribution"  # what a timeout says of the missing peer
+        self.held = -1  # while claiming: the collective our next slot still holds
         self._slots: list[int] = []  # the slot each rank's contribution was read from
         #: Payload bytes this rank posted (each peer reads them) and read from its peers.
         self.sent = 0
@@ -170,10 +169,10 @@ class Round:
         except KeyError:
             raise TransportError("the communicator was closed during the collective") from None
         if self.missing:
-            self.waiting_for = f"still reading collective #{held} from this rank"
+            self.held = held
             return False
         self.missing = list(self.peers)
-        self.waiting_for = "no contribution"
+        self.held = -1
         return True
 
     def end(self) -> None:
@@ -254,8 +253,13 @@ class Round:
         if now - self.start > self.timeout:
             p = self.missing[0]
             raise CGXTimeoutError(
-                f"collective #{self.seq} ({self.name}): {self.waiting_for} from rank {p} "
-                f"within {self.timeout:g} s; rank {p} is alive, {self._doing(p)}",
+                f"collective #{self.seq} ({self.name}): "
+                + (
+                    f"no contribution from rank {p}"
+                    if self.held < 0
+                    else f"rank {p} did not release this rank's post of collective #{self.held}"
+                )
+                + f" within {self.timeout:g} s; rank {p} is alive, {self._doing(p)}",
                 peer=p,
                 alive=True,
             )
@@ -339,18 +343,13 @@ def wait_blocking(r: Round, budget: float, poll: Callable[[int], bool] | None = 
         if poll(spins):
             return True
     end = start + budget
-    while time.perf_counter() < end:
+    while True:
         r.overdue()
+        if time.perf_counter() >= end:
+            return False
         os.sched_yield()  # a peer sharing this core runs now
         if poll(1):
             return True
-    return False
-
-
-def claim_blocking(r: Round) -> None:
-    """:meth:`Round.claim` on this thread (bounded by the round's deadline)."""
-    while not wait_blocking(r, MAX_SLEEP_S, r.claim):
-        time.sleep(MAX_SLEEP_S)
 
 
 async def wait_async(r: Round, poll: Callable[[int], bool] | None = None) -> None:

@@ -138,6 +138,7 @@ class Mailbox:
         self.peer_bytes: dict[int, np.ndarray] = {}
         self.peer_pids: dict[int, int] = {}
         self._maps: list[mmap.mmap] = []
+        self._closed = False
         self._posts = 0  # contributions posted: slots alternate by this count
         self._slot_mark = [0, 0]  # the collective each of our slots holds, + 1 (0: none)
         self.enabled = False
@@ -304,19 +305,19 @@ class Mailbox:
 
     # -- end --------------------------------------------------------------------------
     def close(self) -> None:
-        """Say CLOSED to the peers and drop every mapping (idempotent)."""
-        if self._seg is None:
+        """Say CLOSED to the peers; this rank's rounds stop (``enabled`` False). The
+        memory stays mapped while anything still holds the mailbox (a round on another
+        thread reads on safely, then raises); it goes with the object (idempotent)."""
+        if self._closed:
             return
+        self._closed = True
+        self.enabled = False
         with contextlib.suppress(Exception):
             _store(self.words, W_STATE, State.CLOSED)
-        self.enabled = False
-        self.peer_words.clear()
-        self.peer_bytes.clear()
-        maps, self._maps = self._maps, []
-        for m in maps:
-            with contextlib.suppress(BufferError):
-                m.close()
-        seg, self._seg = self._seg, None
-        self.own = np.empty(0, np.uint8)
-        self.words = np.zeros(16, np.uint64)
-        seg.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            seg, self._seg = self._seg, None
+            if seg is not None:
+                self.own = self.words = np.empty(0, np.uint64)
+                seg.close()
