@@ -17,8 +17,24 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CGXError, CollectiveMismatchError, ConfigError, ProtocolError
-from ..transport.frames import MIXED_BITS, Algo, Coll, Frame, Kind, Op, dtype_code, dtype_from_code
+from ..errors import (
+    CGXError,
+    CollectiveMismatchError,
+    ConfigError,
+    PeerLostError,
+    ProtocolError,
+)
+from ..transport.frames import (
+    MIXED_BITS,
+    AbortCode,
+    Algo,
+    Coll,
+    Frame,
+    Kind,
+    Op,
+    dtype_code,
+    dtype_from_code,
+)
 from ..transport.mesh import MAX_SLOTS
 from .piece_codec import CodecRunner
 from .staging import BufferPool, byte_view
@@ -29,6 +45,7 @@ __all__ = [
     "PH_GATHER",
     "PH_SIG",
     "Call",
+    "abort_error",
     "cancel_pending",
     "describe",
     "gather_or_cancel",
@@ -126,6 +143,18 @@ def what(name: str, template: Frame) -> str:
     if template.bits and template.bits != 32:
         text += ", bits mixed" if template.bits == MIXED_BITS else f", bits {template.bits}"
     return text
+
+
+def abort_error(src: int, seq: int, code: int, culprit: int, reason: str, rank: int) -> CGXError:
+    """Rank ``src``'s abort of collective ``seq`` (an ABORT frame, or a mailbox's abort
+    record) as the error it means on ``rank``: ``code`` an AbortCode, ``culprit`` the rank
+    it blames for a lost peer."""
+    text = f"rank {src} aborted collective #{seq}: {reason}"
+    if code == AbortCode.PEER_LOST:
+        return PeerLostError(text, peer=culprit if culprit != rank else src)
+    if code == AbortCode.PROTOCOL:
+        return ProtocolError(text)
+    return CollectiveMismatchError(text)
 
 
 def mismatch_error(seq: int, name: str, problems: list[str]) -> CollectiveMismatchError:

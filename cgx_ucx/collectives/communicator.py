@@ -46,7 +46,7 @@ from .allreduce import prepare_allreduce, run_allreduce
 from .alltoall import prepare_alltoall, run_alltoall
 from .barrier import prepare_barrier, run_barrier
 from .broadcast import prepare_broadcast, run_broadcast
-from .call import Call, what
+from .call import Call, abort_error, what
 from .local import (
     HAND_OVER_S,
     LOCAL_ONESHOT_BYTES,
@@ -255,15 +255,7 @@ class Communicator:
 
     # -- machinery ----------------------------------------------------------------------
     def _on_abort(self, frame: Frame, reason: str) -> None:
-        code, src = frame.phase, frame.src
-        text = f"rank {src} aborted collective #{frame.seq}: {reason}"
-        exc: CGXError
-        if code == AbortCode.PEER_LOST:
-            exc = PeerLostError(text, peer=frame.count if frame.count != self.rank else src)
-        elif code == AbortCode.PROTOCOL:
-            exc = ProtocolError(text)
-        else:
-            exc = CollectiveMismatchError(text)
+        exc = abort_error(frame.src, frame.seq, frame.phase, frame.count, reason, self.rank)
         call = self._calls.get(frame.seq)
         if call is not None:
             call.fail(exc)
@@ -388,12 +380,8 @@ class Communicator:
         base = f"{prefix}/mailbox/{mesh.job:x}"
         store.set(f"{base}/{self.rank}", bytes(box.descriptor().pack()) if box else _SHM_OFF)
         end = time.monotonic() + self._config.connect_timeout
-        count = int(store.add(f"{base}/count", 1))
-        while count < n:
-            if time.monotonic() > end:
-                raise CGXTimeoutError("not every rank published its mailbox within connect_timeout")
-            await asyncio.sleep(0.002)
-            count = int(store.add(f"{base}/count", 0))
+        if not await _all_counted(store, f"{base}/count", n, end):
+            raise CGXTimeoutError("not every rank published its mailbox within connect_timeout")
         raw = {p: bytes(store.get(f"{base}/{p}")) for p in range(n) if p != self.rank}
         off = sorted(p for p, v in raw.items() if v == _SHM_OFF) + ([] if box else [self.rank])
         if off:
@@ -435,16 +423,26 @@ class Communicator:
 
         r = Round(self._mailbox, call.seq, call.name, call.template, self._config.timeout, check)
         async with self._local_lock:
-            try:
-                check()
-                await wait_async(r, r.claim)
-                op.post(r)
-                await wait_async(r)
-                result = op.finish(r)
-            finally:
-                r.end()
+            result = await self._local_steps(r, op, posted=False, first=check)
         self._count_bytes(r)
         return result
+
+    async def _local_steps(
+        self, r: Round, op: LocalOp, posted: bool, first: Callable[[], None] | None = None
+    ) -> Any:
+        """A mailbox round on the loop, under ``_local_lock``: ``first``, then claim the
+        slot and post (unless ``posted`` already), wait for every peer, finish; the round
+        ends whatever happens. Returns the collective's result."""
+        try:
+            if first is not None:
+                first()
+            if not posted:
+                await wait_async(r, r.claim)
+                op.post(r)
+            await wait_async(r)
+            return op.finish(r)
+        finally:
+            r.end()
 
     def run_local(
         self,
@@ -514,14 +512,7 @@ class Communicator:
         (``posted``: this rank's part is posted already)."""
         try:
             async with self._local_lock:
-                try:
-                    if not posted:
-                        await wait_async(r, r.claim)
-                        op.post(r)
-                    await wait_async(r)
-                    value = op.finish(r)
-                finally:
-                    r.end()
+                value = await self._local_steps(r, op, posted)
         except BaseException as exc:
             self._local_failed(r, exc)
             raise
@@ -818,13 +809,20 @@ async def _codec_ready(
     if mesh.world_size == 1:
         return
     key = f"{prefix}/codec_ready/{mesh.job:x}"
+    if not await _all_counted(store, key, mesh.world_size, end, pause=0.005):
+        log.warning("not every rank compiled its codec within connect_timeout; going on")
+
+
+async def _all_counted(store: Any, key: str, n: int, end: float, pause: float = 0.002) -> bool:
+    """Count this rank in the store counter ``key`` and wait until all ``n`` ranks are,
+    asking every ``pause`` seconds (False when the monotonic deadline ``end`` passes)."""
     count = int(store.add(key, 1))
-    while count < mesh.world_size:
+    while count < n:
         if time.monotonic() > end:
-            log.warning("not every rank compiled its codec within connect_timeout; going on")
-            return
-        await asyncio.sleep(0.005)
+            return False
+        await asyncio.sleep(pause)
         count = int(store.add(key, 0))
+    return True
 
 
 def _share_codec_threads(local_ranks: int) -> None:

@@ -40,15 +40,14 @@ from ..arrays import is_cupy
 from ..errors import (
     CGXError,
     CGXTimeoutError,
-    CollectiveMismatchError,
     PeerLostError,
     ProtocolError,
     TransportError,
 )
 from ..transport import progress
-from ..transport.frames import AbortCode, Algo, Coll, Frame
+from ..transport.frames import Algo, Coll, Frame
 from ..transport.mailbox import SLOT_BYTES, Mailbox, State
-from .call import describe, mismatch_error, what
+from .call import abort_error, describe, mismatch_error, what
 from .piece_codec import decode_add_piece, encode_piece
 from .reduction import AllreduceSpec
 from .staging import byte_view
@@ -204,7 +203,7 @@ class Round:
         if box.spin_posted(p, seq, 1):
             return False
         if abort is not None:
-            raise _abort_error(p, seq, *abort, self.rank)
+            raise abort_error(p, seq, *abort, self.rank)
         if started == seq:
             if not np.array_equal(sig, self.sig):
                 raise mismatch_error(seq, self.name, [self._mismatch(p, sig)])
@@ -225,7 +224,7 @@ class Round:
         the network with this one), if its mailbox says."""
         abort = self.box.aborted(p, self.seq)
         if abort is not None:
-            raise _abort_error(p, self.seq, *abort, self.rank)
+            raise abort_error(p, self.seq, *abort, self.rank)
         started, sig = self.box.started(p)
         if started == self.seq and not np.array_equal(sig, self.sig):
             raise mismatch_error(self.seq, self.name, [self._mismatch(p, sig)])
@@ -312,17 +311,6 @@ class Round:
                     f"collective #{self.seq} ({self.name}): rank {q} rewrote its mailbox "
                     "while this rank was reading it"
                 )
-
-
-def _abort_error(p: int, seq: int, code: int, culprit: int, reason: str, rank: int) -> CGXError:
-    """A peer's abort record as the error it means here (as an ABORT frame's, in
-    :meth:`~.communicator.Communicator._on_abort`)."""
-    text = f"rank {p} aborted collective #{seq}: {reason}"
-    if code == AbortCode.PEER_LOST:
-        return PeerLostError(text, peer=culprit if culprit != rank else p)
-    if code == AbortCode.PROTOCOL:
-        return ProtocolError(text)
-    return CollectiveMismatchError(text)
 
 
 def _spins() -> int:
