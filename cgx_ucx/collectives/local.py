@@ -32,7 +32,7 @@ import asyncio
 import os
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -48,9 +48,12 @@ from ..transport import progress
 from ..transport.frames import Algo, Coll, Frame
 from ..transport.mailbox import SLOT_BYTES, Mailbox, State
 from .call import abort_error, describe, mismatch_error, what
-from .piece_codec import decode_add_piece, encode_piece
+from .piece_codec import mix_seed
 from .reduction import AllreduceSpec
 from .staging import byte_view
+
+if TYPE_CHECKING:
+    from ..compression.host_run import HostRun
 
 __all__ = [
     "HAND_OVER_S",
@@ -64,6 +67,7 @@ __all__ = [
     "Round",
     "allreduce_fits",
     "finish_allreduce",
+    "host_run",
     "post_allreduce",
     "signature_words",
     "wait_async",
@@ -388,10 +392,31 @@ def post_allreduce(r: Round, flat: Any, spec: AllreduceSpec) -> int:
         buf[:nbytes] = raw
     else:
         piece = spec.plan.chunks[0].pieces[0]
-        out = encode_piece(flat, 0, piece, buf, spec.stochastic, spec.seed, r.seq, r.rank)
+        seeds = (
+            [mix_seed(spec.seed, r.seq, r.rank, s.layer, s.start) for s in piece.segments]
+            if spec.stochastic
+            else ()
+        )
+        out = host_run(spec, flat.dtype).encode(flat, buf, seeds)
         nbytes = int(out.size)
     r.post(nbytes)
     return nbytes
+
+
+def host_run(spec: AllreduceSpec, dtype: np.dtype) -> HostRun:
+    """The codec of the one piece of a compressed one-round ``spec`` on values of
+    ``dtype``, built once per spec: the same bytes and sums as :func:`.encode_piece` /
+    :func:`.decode_add_piece`, without their per-segment checks in Python (issue 10)."""
+    key = ("host_run", dtype)
+    run = spec.memo.get(key)
+    if run is None:
+        from ..compression.host_run import HostRun, RunSegment  # imports Numba
+
+        piece = spec.plan.chunks[0].pieces[0]
+        segs = [RunSegment(s.start - piece.start, s.numel, s.bits, s.bucket_size)
+                for s in piece.segments]  # fmt: skip
+        run = spec.memo[key] = HostRun(segs, dtype, spec.stochastic)
+    return run
 
 
 def finish_allreduce(r: Round, flat: Any, spec: AllreduceSpec) -> None:
@@ -411,11 +436,11 @@ def finish_allreduce(r: Round, flat: Any, spec: AllreduceSpec) -> None:
             for part in parts[2:]:
                 np.add(acc, _values(part, dtype), out=acc)
         else:
-            piece = spec.plan.chunks[0].pieces[0]
+            run = host_run(spec, dtype)
             acc = flat if dtype == np.float32 else np.empty(flat.size, np.float32)
             acc[...] = 0
             for part in parts:
-                decode_add_piece(part, piece, acc, 0, dtype)
+                run.decode_add(part, acc)
         r.verify()
         if spec.avg:
             np.divide(acc, len(parts), out=acc)

@@ -17,7 +17,7 @@ buffer too, so every replica ends bit-identical (:func:`~.piece_codec.requantize
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -47,6 +47,11 @@ class AllreduceSpec:
     stochastic: bool
     seed: int
     algorithm: Algo = Algo.SRA
+    #: What a path derives from this spec once and reuses on every call of the same
+    #: arguments (the spec is kept per argument set): e.g. the mailbox path's
+    #: :class:`~cgx_ucx.compression.host_run.HostRun`. Not an argument: a spec made with
+    #: ``dataclasses.replace`` starts empty.
+    memo: dict[Any, Any] = field(default_factory=dict, init=False, compare=False, repr=False)
 
 
 class PieceSteps:

@@ -44,10 +44,13 @@ from .reference import GOLDEN, MIX1, MIX2, U_SHIFT, empty_bytes, empty_values, s
 __all__ = [
     "BATCH_VALUES",
     "PARALLEL_MIN_NUMEL",
+    "chunking",
+    "decode_add_direct",
     "decode_add_into",
     "decode_into",
     "empty_bytes",
     "empty_values",
+    "encode_chunks_direct",
     "encode_decode_into",
     "encode_into",
     "num_threads",
@@ -69,6 +72,8 @@ _ZERO32 = np.float32(0.0)
 _HALF32 = np.float32(0.5)
 #: 2**112 rescales float16 bits shifted into float32 position (exponent bias 127 - 15).
 _F16_SCALE = np.float32(2.0**112)
+#: The rounding key of seed 0 (deterministic rounding's, which never reads it).
+_KEY0 = np.uint64(seed_key(0))
 
 
 # ---------------------------------------------------------------------------------------
@@ -441,7 +446,7 @@ def _kernel_view(a: np.ndarray) -> np.ndarray | None:
     return None
 
 
-def _chunking(hdr: CodecHeader) -> tuple[int, int]:
+def chunking(hdr: CodecHeader) -> tuple[int, int]:
     """(buckets per chunk, number of chunks): chunks start on whole code bytes."""
     k = 8 // math.gcd(hdr.bucket_size, 8)
     return k, -(-hdr.nbuckets // k)
@@ -543,7 +548,7 @@ def _encode_chunks(
         return
     meta, is_view = _meta_view(buf, hdr)
     codes = buf[hdr.codes_offset :]
-    k, nchunks = _chunking(hdr)
+    k, nchunks = chunking(hdr)
     key = np.uint64(seed_key(seed))
     nsc = min(k * hdr.bucket_size, n)  # scratch: one chunk of codes, never more than numel
     run_chunks(
@@ -574,13 +579,63 @@ def _decode(buf: np.ndarray, hdr: CodecHeader, out: np.ndarray, add: bool) -> No
         return
     meta, _ = _meta_view(buf, hdr)
     codes = buf[hdr.codes_offset :]
-    k, nchunks = _chunking(hdr)
+    k, nchunks = chunking(hdr)
     nsc = min(k * hdr.bucket_size, n)
 
     def run(c0: int, c1: int) -> None:
         _decode_range(codes, meta, n, hdr.bits, hdr.bucket_size, k, target, add, c0, c1, nsc)
 
     run_chunks(run, n, nchunks, k * hdr.bucket_size)
+
+
+def encode_chunks_direct(
+    x: np.ndarray,
+    hdr: CodecHeader,
+    seed: int,
+    meta_u8: np.ndarray,
+    codes: np.ndarray,
+    k: int,
+    nchunks: int,
+    nsc: int,
+) -> None:
+    """The kernels of :func:`encode_into` on a compressed segment whose header is written
+    and whose meta (``meta_u8``, 4-byte aligned) and codes are given: for callers that
+    checked everything once (:class:`.host_run.HostRun`)."""
+    xk = _kernel_view(x)
+    meta = meta_u8.view(np.float32)
+    key = np.uint64(seed_key(seed)) if seed else _KEY0
+    n, bits, bsize, st = hdr.numel, hdr.bits, hdr.bucket_size, hdr.stochastic
+    if n < PARALLEL_MIN_NUMEL:  # run_chunks' own rule, without its call
+        _encode_range(xk, n, bits, bsize, k, st, key, meta, codes, 0, nchunks, nsc, None)
+        return
+
+    def run(c0: int, c1: int) -> None:
+        _encode_range(xk, n, bits, bsize, k, st, key, meta, codes, c0, c1, nsc, None)
+
+    run_chunks(run, n, nchunks, k * bsize)
+
+
+def decode_add_direct(
+    codes: np.ndarray,
+    meta_u8: np.ndarray,
+    hdr: CodecHeader,
+    acc: np.ndarray,
+    k: int,
+    nchunks: int,
+    nsc: int,
+) -> None:
+    """The kernels of :func:`decode_add_into` on a compressed segment whose header was
+    checked, its meta (``meta_u8``, 4-byte aligned) and codes given (as above)."""
+    meta = meta_u8.view(np.float32)
+    n, bits, bsize = hdr.numel, hdr.bits, hdr.bucket_size
+    if n < PARALLEL_MIN_NUMEL:
+        _decode_range(codes, meta, n, bits, bsize, k, acc, True, 0, nchunks, nsc)
+        return
+
+    def run(c0: int, c1: int) -> None:
+        _decode_range(codes, meta, n, bits, bsize, k, acc, True, c0, c1, nsc)
+
+    run_chunks(run, n, nchunks, k * bsize)
 
 
 def decode_into(buf: np.ndarray, hdr: CodecHeader, out: np.ndarray) -> None:
