@@ -141,6 +141,7 @@ class Round:
         self.name = name
         self.template = template
         self.sig = signature_words(template)
+        self._sig_bytes = self.sig.tobytes()  # compared with every posted signature
         self.timeout = timeout
         self.check = check
         self.rank = box.rank
@@ -297,7 +298,7 @@ class Round:
             except ProtocolError:
                 self._explain(q)
                 raise
-            if q != self.rank and not np.array_equal(sig, self.sig):
+            if q != self.rank and sig.tobytes() != self._sig_bytes:
                 problems.append(self._mismatch(q, sig))
             out.append(payload)
             self._slots.append(slot)

@@ -592,17 +592,16 @@ def encode_chunks_direct(
     x: np.ndarray,
     hdr: CodecHeader,
     seed: int,
-    meta_u8: np.ndarray,
+    meta: np.ndarray,
     codes: np.ndarray,
     k: int,
     nchunks: int,
     nsc: int,
 ) -> None:
     """The kernels of :func:`encode_into` on a compressed segment whose header is written
-    and whose meta (``meta_u8``, 4-byte aligned) and codes are given: for callers that
+    and whose meta (an aligned float32 view) and codes are given: for callers that
     checked everything once (:class:`.host_run.HostRun`)."""
     xk = _kernel_view(x)
-    meta = meta_u8.view(np.float32)
     key = np.uint64(seed_key(seed)) if seed else _KEY0
     n, bits, bsize, st = hdr.numel, hdr.bits, hdr.bucket_size, hdr.stochastic
     if n < PARALLEL_MIN_NUMEL:  # run_chunks' own rule, without its call
@@ -617,7 +616,7 @@ def encode_chunks_direct(
 
 def decode_add_direct(
     codes: np.ndarray,
-    meta_u8: np.ndarray,
+    meta: np.ndarray,
     hdr: CodecHeader,
     acc: np.ndarray,
     k: int,
@@ -625,8 +624,7 @@ def decode_add_direct(
     nsc: int,
 ) -> None:
     """The kernels of :func:`decode_add_into` on a compressed segment whose header was
-    checked, its meta (``meta_u8``, 4-byte aligned) and codes given (as above)."""
-    meta = meta_u8.view(np.float32)
+    checked, its meta (an aligned float32 view) and codes given (as above)."""
     n, bits, bsize = hdr.numel, hdr.bits, hdr.bucket_size
     if n < PARALLEL_MIN_NUMEL:
         _decode_range(codes, meta, n, bits, bsize, k, acc, True, 0, nchunks, nsc)

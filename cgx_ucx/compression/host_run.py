@@ -7,7 +7,8 @@ generic argument checks, a header pack or parse and the kernel set-up in Python:
 20-30 us per call on a 2-vCPU VM around a kernel of 1-2 us for 1024 values (session 12
 probe). A :class:`HostRun` does that work once per layout: the headers, offsets, chunking
 and scratch sizes are computed when it is built; a call checks what can differ between
-calls (the buffers' sizes, alignment and, on decode, every header byte) and calls the
+calls (the buffers' sizes, the meta's alignment: an unaligned float32 view is another Numba
+type, see ``cpu._meta_view``; and, on decode, every header byte) and calls the
 kernels of :mod:`.cpu` directly.
 
 The bytes written and the values accumulated are exactly those of
@@ -93,16 +94,10 @@ class HostRun:
         self._progs = tuple(progs)
         #: Bytes of the whole run.
         self.nbytes = pos
-        # float32 meta views need 4-byte alignment (another Numba type otherwise: see
-        # cpu._meta_view); every segment's meta is aligned when its offset is.
-        self._aligned = all(p.offset % 4 == 0 for p in progs)
 
     @property
     def segments(self) -> int:
         return len(self._progs)
-
-    def _fast(self, buf: np.ndarray) -> bool:
-        return self._aligned and buf.ctypes.data % 4 == 0
 
     def encode(self, x: np.ndarray, out: np.ndarray, seeds: Sequence[int] = ()) -> np.ndarray:
         """Encode ``x`` (values of the run's dtype, the run's source) into the front of
@@ -111,24 +106,22 @@ class HostRun:
         out = out[: self.nbytes]
         if out.shape[0] != self.nbytes:
             raise CodecError(f"out holds {out.shape[0]} bytes, the run needs {self.nbytes}")
-        fast = self._fast(out)
         for i, p in enumerate(self._progs):
             part = x[p.start : p.stop]
             seg = out[p.offset : p.end]
             seed = seeds[i] if p.hdr.stochastic else 0
-            if not fast or p.hdr.raw:
+            meta = None if p.hdr.raw else out[p.offset + HEADER_NBYTES : p.codes].view(np.float32)
+            if meta is None or not meta.flags.aligned:
                 codec.encode(
                     part, p.hdr.bits, p.hdr.bucket_size, out=seg, stochastic=p.hdr.stochastic,
                     seed=seed,
                 )  # fmt: skip
                 continue
             seg[:HEADER_NBYTES] = p.header_u8
-            if not p.hdr.numel:
-                continue
-            cpu.encode_chunks_direct(
-                part, p.hdr, seed, out[p.offset + HEADER_NBYTES : p.codes], out[p.codes : p.end],
-                p.k, p.nchunks, p.nsc,
-            )  # fmt: skip
+            if p.hdr.numel:
+                cpu.encode_chunks_direct(
+                    part, p.hdr, seed, meta, out[p.codes : p.end], p.k, p.nchunks, p.nsc
+                )
         return out
 
     def decode_add(self, buf: np.ndarray, acc: np.ndarray) -> None:
@@ -139,18 +132,14 @@ class HostRun:
         if buf.shape[0] != self.nbytes or acc.dtype != np.float32:
             self._decode_add_checked(buf, acc)
             return
-        fast = self._fast(buf)
         for p in self._progs:
             seg = buf[p.offset : p.end]
             a = acc[p.start : p.stop]
-            if not fast or p.hdr.raw or seg[:HEADER_NBYTES].tobytes() != p.header:
+            meta = None if p.hdr.raw else buf[p.offset + HEADER_NBYTES : p.codes].view(np.float32)
+            if meta is None or not meta.flags.aligned or seg[:HEADER_NBYTES].tobytes() != p.header:
                 codec.decode_add(seg, a)
-                continue
-            if p.hdr.numel:
-                cpu.decode_add_direct(
-                    buf[p.codes : p.end], buf[p.offset + HEADER_NBYTES : p.codes], p.hdr, a,
-                    p.k, p.nchunks, p.nsc,
-                )  # fmt: skip
+            elif p.hdr.numel:
+                cpu.decode_add_direct(buf[p.codes : p.end], meta, p.hdr, a, p.k, p.nchunks, p.nsc)
 
     def _decode_add_checked(self, buf: np.ndarray, acc: np.ndarray) -> None:
         """The generic path, segment by segment, for a buffer the fast one refuses."""

@@ -140,6 +140,9 @@ class Mailbox:
         self._maps: list[mmap.mmap] = []
         self._closed = False
         self._posts = 0  # contributions posted: slots alternate by this count
+        #: Per rank (this one's too), the uint64 meta views of its two slots: made once,
+        #: every collective reads them (a view costs a microsecond or two each time).
+        self._metas: dict[int, tuple[np.ndarray, np.ndarray]] = {rank: self._slot_metas(self.own)}
         self._slot_mark = [0, 0]  # the collective each of our slots holds, + 1 (0: none)
         self.enabled = False
 
@@ -171,6 +174,7 @@ class Mailbox:
             raise ProtocolError(f"rank {peer}'s segment is not a mailbox")
         self.peer_words[peer] = words
         self.peer_bytes[peer] = data
+        self._metas[peer] = self._slot_metas(data)
         self.peer_pids[peer] = desc.pid
 
     def peer_state(self, peer: int) -> int:
@@ -203,14 +207,14 @@ class Mailbox:
         time, once every peer :meth:`released` what it holds), marked as holding nothing
         until :meth:`post`; write the payload there."""
         slot = self._posts % 2
-        _store(self._meta(self.own, slot), 0, 0)
+        _store(self._metas[self.rank][slot], 0, 0)
         start = _HEADER + slot * SLOT_BYTES
         return self.own[start : start + SLOT_BYTES]
 
     def post(self, seq: int, sig: np.ndarray, nbytes: int) -> None:
         """Publish collective ``seq``: signature ``sig`` and ``nbytes`` of payload written
         into the slot :meth:`begin_post` returned."""
-        meta = self._meta(self.own, self._posts % 2)
+        meta = self._metas[self.rank][self._posts % 2]
         meta[1] = nbytes
         meta[2 : 2 + SIG_WORDS] = sig
         _store(meta, 0, seq + 1)
@@ -268,12 +272,13 @@ class Mailbox:
         """``peer``'s posted (signature, payload, slot) of collective ``seq`` (this rank's
         own with ``peer == rank``). ProtocolError when neither slot holds it."""
         data = self.own if peer == self.rank else self.peer_bytes[peer]
+        metas = self._metas[peer]
         for slot in (0, 1):
-            meta = self._meta(data, slot)
+            meta = metas[slot]
             if int(_load(meta, 0)) == seq + 1:
                 break
         else:
-            held = [int(self._meta(data, s)[0]) - 1 for s in (0, 1)]
+            held = [int(m[0]) - 1 for m in metas]
             raise ProtocolError(f"rank {peer}'s mailbox holds collectives {held}, not #{seq}")
         nbytes = int(meta[1])
         if nbytes > SLOT_BYTES:
@@ -284,13 +289,14 @@ class Mailbox:
     def holds(self, peer: int, seq: int, slot: int) -> bool:
         """Whether ``peer``'s ``slot`` still holds collective ``seq`` (checked after the
         payload was read: a writer clears the number before it rewrites the slot)."""
-        data = self.own if peer == self.rank else self.peer_bytes[peer]
-        return int(_load(self._meta(data, slot), 0)) == seq + 1
+        return int(_load(self._metas[peer][slot], 0)) == seq + 1
 
     @staticmethod
-    def _meta(data: np.ndarray, slot: int) -> np.ndarray:
-        at = _META_AT + slot * _META
-        return data[at : at + _META].view(np.uint64)
+    def _slot_metas(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        at = [_META_AT + slot * _META for slot in (0, 1)]
+        return data[at[0] : at[0] + _META].view(np.uint64), data[at[1] : at[1] + _META].view(
+            np.uint64
+        )
 
     def peer_alive(self, peer: int) -> bool:
         """Whether ``peer``'s process still runs (same host: its /proc entry exists and is
@@ -320,4 +326,5 @@ class Mailbox:
             seg, self._seg = self._seg, None
             if seg is not None:
                 self.own = self.words = np.empty(0, np.uint64)
+                self._metas = {}  # views of the segment too
                 seg.close()
