@@ -260,7 +260,8 @@ def compression_from_env() -> CompressionConfig:
     the four CGX_COMPRESSION_* variables changed: a backend asks on every call (the
     environment may change between calls), and resolving costs tens of microseconds."""
     global _from_env
-    key = tuple(os.environ.get(name) for name in _COMPRESSION_ENV)
+    get = os.environ.get
+    key = (get(ENV_BITS), get(ENV_BUCKET_SIZE), get(ENV_MINIMAL_SIZE), get(ENV_STOCHASTIC))
     cached = _from_env
     if cached is not None and cached[0] == key:
         return cached[1]

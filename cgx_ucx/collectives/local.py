@@ -32,7 +32,7 @@ import asyncio
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -49,11 +49,8 @@ from ..transport.frames import Algo, Coll, Frame
 from ..transport.mailbox import SLOT_BYTES, Mailbox, State
 from .call import abort_error, describe, mismatch_error, what
 from .piece_codec import mix_seed
-from .reduction import AllreduceSpec
+from .reduction import AllreduceSpec, host_run
 from .staging import byte_view
-
-if TYPE_CHECKING:
-    from ..compression.host_run import HostRun
 
 __all__ = [
     "HAND_OVER_S",
@@ -67,7 +64,6 @@ __all__ = [
     "Round",
     "allreduce_fits",
     "finish_allreduce",
-    "host_run",
     "post_allreduce",
     "signature_words",
     "wait_async",
@@ -402,22 +398,6 @@ def post_allreduce(r: Round, flat: Any, spec: AllreduceSpec) -> int:
         nbytes = int(out.size)
     r.post(nbytes)
     return nbytes
-
-
-def host_run(spec: AllreduceSpec, dtype: np.dtype) -> HostRun:
-    """The codec of the one piece of a compressed one-round ``spec`` on values of
-    ``dtype``, built once per spec: the same bytes and sums as :func:`.encode_piece` /
-    :func:`.decode_add_piece`, without their per-segment checks in Python (issue 10)."""
-    key = ("host_run", dtype)
-    run = spec.memo.get(key)
-    if run is None:
-        from ..compression.host_run import HostRun, RunSegment  # imports Numba
-
-        piece = spec.plan.chunks[0].pieces[0]
-        segs = [RunSegment(s.start - piece.start, s.numel, s.bits, s.bucket_size)
-                for s in piece.segments]  # fmt: skip
-        run = spec.memo[key] = HostRun(segs, dtype, spec.stochastic)
-    return run
 
 
 def finish_allreduce(r: Round, flat: Any, spec: AllreduceSpec) -> None:

@@ -25,11 +25,12 @@ from typing import Any
 
 import numpy as np
 
+from ..arrays import is_cupy
 from ..errors import ProtocolError
 from ..transport.frames import Frame, inlinable
 from .call import PH_SIG, Call, gather_or_cancel
-from .piece_codec import decode_add_piece
-from .reduction import AllreduceSpec, PieceSteps
+from .piece_codec import CODEC_INLINE_NUMEL, decode_add_piece, mix_seed
+from .reduction import AllreduceSpec, PieceSteps, host_run
 from .staging import synchronize
 
 __all__ = ["Oneshot", "oneshot"]
@@ -53,10 +54,30 @@ class Oneshot(PieceSteps):
         #: Per rank, its contribution as wire bytes (uint8), ours included.
         self.got: dict[int, Any] = {}
         self.problems: list[str] = []
+        #: Small host buffers of compressed layouts go through the spec's HostRun, on the
+        #: loop as the codec runner would run them (larger ones keep its codec thread).
+        self.host = not spec.raw and not is_cupy(x) and self.piece.numel < CODEC_INLINE_NUMEL
+
+    def encode_host(self) -> Any:
+        """This rank's contribution encoded into staging through the spec's HostRun."""
+        spec, call = self.spec, self.call
+        seeds = (
+            [mix_seed(spec.seed, call.seq, self.rank, s.layer, s.start)
+             for s in self.piece.segments]
+            if spec.stochastic
+            else ()
+        )  # fmt: skip
+        run = host_run(spec, self.dtype)
+        return run.encode(self.x, call.take(run.nbytes, self.x), seeds)
 
     async def run(self) -> None:
         call, piece, x = self.call, self.piece, self.x
-        own = self.view(x, 0, piece) if self.spec.raw else await self.encode(x, 0, piece)
+        if self.spec.raw:
+            own = self.view(x, 0, piece)
+        elif self.host:
+            own = self.encode_host()
+        else:
+            own = await self.encode(x, 0, piece)
         # Our sends are awaited with the receives: on the raw path they read the caller's
         # buffer, which the reduction below overwrites.
         if inlinable(own, int(own.nbytes)):
@@ -130,10 +151,15 @@ class Oneshot(PieceSteps):
         acc = self.call.take(x.size * 4, x)
         acc = acc.view(np.float32) if x.size else self.xp.empty(0, np.float32)
         acc[...] = 0
-        for q in range(self.n_world):
-            await self.codec.run(
-                piece.numel, decode_add_piece, self.got[q], piece, acc, 0, self.dtype
-            )
+        if self.host:
+            run = host_run(self.spec, self.dtype)
+            for q in range(self.n_world):
+                run.decode_add(self.got[q], acc)
+        else:
+            for q in range(self.n_world):
+                await self.codec.run(
+                    piece.numel, decode_add_piece, self.got[q], piece, acc, 0, self.dtype
+                )
         if self.spec.avg:
             self.xp.divide(acc, self.n_world, out=acc)
         x[...] = acc

@@ -18,7 +18,7 @@ buffer too, so every replica ends bit-identical (:func:`~.piece_codec.requantize
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -29,7 +29,10 @@ from .piece_codec import decode_piece, encode_piece, requantize_piece
 from .plan import Piece, Plan
 from .staging import byte_view, synchronize
 
-__all__ = ["AllreduceSpec", "PieceSteps"]
+if TYPE_CHECKING:
+    from ..compression.host_run import HostRun
+
+__all__ = ["AllreduceSpec", "PieceSteps", "host_run"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,23 @@ class AllreduceSpec:
     #: :class:`~cgx_ucx.compression.host_run.HostRun`. Not an argument: a spec made with
     #: ``dataclasses.replace`` starts empty.
     memo: dict[Any, Any] = field(default_factory=dict, init=False, compare=False, repr=False)
+
+
+def host_run(spec: AllreduceSpec, dtype: np.dtype) -> HostRun:
+    """The host codec of the one piece of a compressed one-round ``spec`` (the mailbox
+    path, :mod:`.local`, and the message path, :mod:`.oneshot`) on values of ``dtype``,
+    built once per spec: the same bytes and sums as :func:`.encode_piece` /
+    :func:`.decode_add_piece`, without their per-segment checks in Python (issue 10)."""
+    key = ("host_run", dtype)
+    run = spec.memo.get(key)
+    if run is None:
+        from ..compression.host_run import HostRun, RunSegment  # imports Numba
+
+        piece = spec.plan.chunks[0].pieces[0]
+        segs = [RunSegment(s.start - piece.start, s.numel, s.bits, s.bucket_size)
+                for s in piece.segments]  # fmt: skip
+        run = spec.memo[key] = HostRun(segs, dtype, spec.stochastic)
+    return run
 
 
 class PieceSteps:

@@ -31,7 +31,7 @@ import torch
 
 from ..errors import TransportError
 
-__all__ = ["TorchBridge", "completion_executor", "to_torch_future"]
+__all__ = ["TorchBridge", "complete_from", "completion_executor", "to_torch_future"]
 
 T = TypeVar("T")
 
@@ -54,12 +54,14 @@ def completion_executor() -> concurrent.futures.ThreadPoolExecutor:
         return _executor
 
 
-def _complete(
+def complete_from(
     src: concurrent.futures.Future[Any],
     dst: torch.futures.Future[T],
     finish: Callable[[Any], T],
     done: Callable[[BaseException | None], None] | None,
 ) -> None:
+    """Complete ``dst`` from the finished ``src``: ``finish(result)``, or the error (a
+    cancellation as a typed one); then ``done(error or None)``."""
     try:
         if src.cancelled():
             # The engine cancels the calls still running when their communicator closes
@@ -129,7 +131,7 @@ class TorchBridge:
             if self._claimed:
                 return
             self._claimed = True
-        _complete(self.src, self.future, self._finish, self._done)
+        complete_from(self.src, self.future, self._finish, self._done)
 
     def wait(self, timeout: float | None) -> None:
         """Wait at most ``timeout`` s for the engine future; when it finished, complete

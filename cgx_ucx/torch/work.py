@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CGXTimeoutError
-from .futures import TorchBridge
+from .futures import TorchBridge, complete_from
 
 __all__ = ["CGXWork", "wait_seconds"]
 
@@ -79,7 +79,12 @@ class CGXWork(_TorchWork):
         waits at most ``timeout`` seconds by default.
         """
         work = cls(what, timeout)
-        work._bridge = TorchBridge(source, finish, done=work.mark_done, future=work._future)
+        if source.done():
+            # Done already (a mailbox collective ran on the caller's thread): completed
+            # here, without a bridge (its object and locks cost ~10 us of a ~100 us call).
+            complete_from(source, work._future, finish, work.mark_done)
+        else:
+            work._bridge = TorchBridge(source, finish, done=work.mark_done, future=work._future)
         return work
 
     def attach(self, future: torch.futures.Future[Any]) -> None:
@@ -107,6 +112,10 @@ class CGXWork(_TorchWork):
 
     def wait(self, timeout: Any = None) -> bool:
         """Block until done; raise the collective's error or CGXTimeoutError."""
+        if self._finished:
+            if self._exception is not None:
+                raise self._exception
+            return True
         limit = wait_seconds(timeout) or self._timeout
         end = time.monotonic() + limit
         if self._bridge is not None and not self._finished:
