@@ -165,7 +165,8 @@ async def read_only_buffers(ctx):
     returned or kept a half-written buffer)."""
     out = {}
     async with await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG) as comm:
-        for what, n in (("allreduce", 1000), ("allreduce", 1 << 20), ("broadcast", 1 << 20)):
+        # 8 MiB: past the one-host mailboxes' 4 MiB slots, so the network path is checked too.
+        for what, n in (("allreduce", 1000), ("allreduce", 1 << 21), ("broadcast", 1 << 21)):
             x = np.full(n, float(ctx.rank + 1), np.float32)
             before = x.copy()
             if ctx.rank == 1:
@@ -182,7 +183,7 @@ async def read_only_buffers(ctx):
 @pytest.mark.timeout(60)
 def test_a_read_only_output_is_refused_before_anything_moves():
     r0, r1 = run_ranks(read_only_buffers, 2, timeout=50)
-    for key in ("allreduce 1000", "allreduce 1048576", "broadcast 1048576"):
+    for key in ("allreduce 1000", "allreduce 2097152", "broadcast 2097152"):
         assert r1[key] == ("ConfigError", True), (key, r1[key])
         assert r0[key] == ("CollectiveMismatchError", True), (key, r0[key])
     assert r0["after"] == r1["after"] == [2.0] * 8

@@ -53,8 +53,13 @@ __all__ = [
 ]
 
 #: Payload bytes per slot: the largest contribution (on the wire, after compression) a
-#: mailbox collective posts.
-SLOT_BYTES = 1 << 20
+#: mailbox collective posts, and so (:data:`~cgx_ucx.collectives.local.LOCAL_ONESHOT_BYTES`)
+#: the largest buffer whose allreduce takes the one-round path on a one-host group. 4 MiB:
+#: there the one round through shared memory took 0.3x gloo's time on 2 ranks and 0.9-1.0x
+#: on 4 (2 vCPUs), where SRA over messages took 0.8-0.9x and 1.7-2.5x; at 16 MiB the two
+#: were within noise of each other, for four times the resident memory (session 12,
+#: benchmarks/results/issue10_session12/). Pages are only allocated once a post touches them.
+SLOT_BYTES = 4 << 20
 _MAGIC = 0x3158_4F42_5847_4300  # "\0CGXBOX1"
 _HEADER = 4096
 _META = 128  # bytes of meta per slot, at 1024 + slot * _META
