@@ -88,3 +88,38 @@ def test_bytes_not_of_the_layout_are_codec_errors_and_leave_acc_alone():
     small = np.zeros(run.nbytes - 1, np.uint8)
     with pytest.raises(CodecError, match="needs"):
         run.encode(x, small)
+
+
+def test_buffers_of_another_kind_are_codec_errors_not_wrong_sums():
+    """Review (session 12): an int8 view of a valid run decoded to wrong sums, a strided
+    one raised ValueError, bytes an AttributeError; now the same answers as decode_add."""
+    spec = one_piece_spec([1000], 4, False)
+    x = np.linspace(-1, 1, 1000, dtype=np.float32)
+    good = reference(spec, x)
+    run = host_run(spec, x.dtype)
+    want = np.zeros(1000, np.float32)
+    run.decode_add(good, want)
+    for ok in (good.tobytes(), bytearray(good.tobytes()), memoryview(good.tobytes())):
+        got = np.zeros(1000, np.float32)
+        run.decode_add(ok, got)
+        assert got.tobytes() == want.tobytes()
+    acc = np.zeros(1000, np.float32)
+    wide = np.repeat(good, 2)
+    for bad, match in ((good.view(np.int8), "uint8"), (wide[::2], "contiguous")):
+        with pytest.raises(CodecError, match=match):
+            run.decode_add(bad, acc)
+    for bad_acc in (
+        np.zeros(999, np.float32),
+        np.zeros(1000, np.float64),
+        np.zeros((2, 500), np.float32),
+    ):
+        with pytest.raises(CodecError, match="acc"):
+            run.decode_add(good, bad_acc)
+    assert (acc == 0).all()
+    out = np.zeros(run.nbytes, np.uint8)
+    with pytest.raises(CodecError, match="uint8"):
+        run.encode(x, out.view(np.int8))
+    with pytest.raises(CodecError, match="contiguous"):
+        run.encode(x, np.zeros(2 * run.nbytes, np.uint8)[::2])
+    with pytest.raises(CodecError, match="x must"):
+        run.encode(x.astype(np.float16), out)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..arrays import as_uint8_buffer
 from ..errors import CodecError
 from . import codec, cpu
 from .codec import HEADER_NBYTES, RAW_BITS, CodecHeader
@@ -92,8 +93,9 @@ class HostRun:
             )
             pos += hdr.nbytes
         self._progs = tuple(progs)
-        #: Bytes of the whole run.
+        #: Bytes of the whole run, and values of its source.
         self.nbytes = pos
+        self.numel = max((p.stop for p in progs), default=0)
 
     @property
     def segments(self) -> int:
@@ -103,9 +105,10 @@ class HostRun:
         """Encode ``x`` (values of the run's dtype, the run's source) into the front of
         ``out`` (uint8, at least :attr:`nbytes`); returns ``out[:nbytes]``. ``seeds``:
         one per segment when the run is stochastic."""
-        out = out[: self.nbytes]
+        out = as_uint8_buffer(out, "out")[: self.nbytes]
         if out.shape[0] != self.nbytes:
             raise CodecError(f"out holds {out.shape[0]} bytes, the run needs {self.nbytes}")
+        self._check_values(x, self.dtype, "x")
         for i, p in enumerate(self._progs):
             part = x[p.start : p.stop]
             seg = out[p.offset : p.end]
@@ -129,7 +132,9 @@ class HostRun:
         (possibly read-only: a peer's mapped bytes), ``acc`` float32 of the run's values
         (the source's indices). Any header byte that is not this run's, or a length that
         is not, goes through :func:`~.codec.decode_add`'s checks (CodecError)."""
-        if buf.shape[0] != self.nbytes or acc.dtype != np.float32:
+        buf = as_uint8_buffer(buf)  # 1-D contiguous uint8 (the kernels' type), else CodecError
+        self._check_values(acc, np.dtype(np.float32), "acc")
+        if buf.shape[0] != self.nbytes:
             self._decode_add_checked(buf, acc)
             return
         for p in self._progs:
@@ -140,6 +145,16 @@ class HostRun:
                 codec.decode_add(seg, a)
             elif p.hdr.numel:
                 cpu.decode_add_direct(buf[p.codes : p.end], meta, p.hdr, a, p.k, p.nchunks, p.nsc)
+
+    def _check_values(self, a: np.ndarray, dtype: np.dtype, what: str) -> None:
+        """``a`` is the 1-D contiguous array of the run's source (``numel`` values of
+        ``dtype``) on the host, else CodecError."""
+        if not isinstance(a, np.ndarray) or a.dtype != dtype or a.ndim != 1:
+            raise CodecError(f"{what} must be a 1-D NumPy array of {dtype}")
+        if not a.flags.c_contiguous or a.shape[0] != self.numel:
+            raise CodecError(
+                f"{what} must be contiguous with {self.numel} values, got shape {a.shape}"
+            )
 
     def _decode_add_checked(self, buf: np.ndarray, acc: np.ndarray) -> None:
         """The generic path, segment by segment, for a buffer the fast one refuses."""
