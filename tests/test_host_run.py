@@ -12,7 +12,7 @@ from cgx_ucx.arrays import BFLOAT16
 from cgx_ucx.collectives.local import host_run
 from cgx_ucx.collectives.piece_codec import decode_add_piece, encode_piece, mix_seed
 from cgx_ucx.collectives.plan import make_plan
-from cgx_ucx.collectives.reduction import AllreduceSpec
+from cgx_ucx.collectives.reduction import AllreduceSpec, encode_one_round
 from cgx_ucx.config import CompressionConfig
 from cgx_ucx.errors import CodecError
 from cgx_ucx.layout import Layout
@@ -123,3 +123,15 @@ def test_buffers_of_another_kind_are_codec_errors_not_wrong_sums():
         run.encode(x, np.zeros(2 * run.nbytes, np.uint8)[::2])
     with pytest.raises(CodecError, match="x must"):
         run.encode(x.astype(np.float16), out)
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_encode_one_round_seeds_every_segment_as_encode_piece(stochastic):
+    """The one-round paths (mailboxes, messages) encode through encode_one_round: the same
+    bytes as the generic encode_piece with that call's sequence number and rank."""
+    spec = one_piece_spec([3, 1000, 17, 5001], 4, stochastic)
+    x = np.random.default_rng(3).standard_normal(6021).astype(np.float32)
+    out = np.zeros(host_run(spec, x.dtype).nbytes, np.uint8)
+    assert encode_one_round(spec, x, out, SEQ, RANK).tobytes() == reference(spec, x).tobytes()
+    other = encode_one_round(spec, x, out.copy(), SEQ + 1, RANK).tobytes()
+    assert (other != reference(spec, x).tobytes()) == stochastic  # the seed moves with seq

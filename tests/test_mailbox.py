@@ -17,9 +17,10 @@ from harness import DEAD_EXIT, MESSAGES_ONLY, run_ranks
 
 from cgx_ucx.collectives import connect
 from cgx_ucx.collectives.local import LOCAL_ONESHOT_BYTES
-from cgx_ucx.config import CommConfig
+from cgx_ucx.config import CommConfig, CompressionConfig
 from cgx_ucx.engine import connect_sync
 from cgx_ucx.errors import CGXTimeoutError, PeerLostError, ProtocolError
+from cgx_ucx.layout import Layout
 from cgx_ucx.transport import shm
 from cgx_ucx.transport.mailbox import SIZE, Mailbox, State
 
@@ -46,6 +47,9 @@ CASES = [  # (numel, dtype, bits, op)
     (LOCAL_ONESHOT_BYTES // 4, np.float32, 4, "sum"),
 ]
 
+#: Layers of odd sizes: the small ones stay uncompressed, the rest 4-bit in 512-buckets.
+MIXED = Layout.from_sizes([3, 1000, 17, 5001, 64], CompressionConfig(bits=4, bucket_size=512))
+
 
 async def results_job(ctx):
     async with await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG) as comm:
@@ -53,6 +57,10 @@ async def results_job(ctx):
         for numel, dtype, bits, op in CASES:
             x = values(ctx.rank, numel, dtype)
             await comm.allreduce(x, op, bits=bits)
+            out.append(x)
+        for dtype in (np.float32, np.float16):  # stochastic rounding, a mixed layout
+            x = values(ctx.rank, MIXED.numel, dtype)
+            await comm.allreduce(x, "avg", layout=MIXED, stochastic=True, seed=11)
             out.append(x)
         await comm.barrier()
         b = values(ctx.rank, 3000, np.float64)
@@ -98,6 +106,18 @@ def test_mailbox_results_equal_the_message_path(world):
             scale = np.abs(exact).max()
             err = np.abs(mine.astype(np.float64) - exact).max()
             assert err <= (0.5 * world if bits < 32 else 1e-5) * scale
+    for i in (len(CASES) + 1, len(CASES) + 2):  # the stochastic mixed-layout averages
+        mine = boxed[0][0][i]
+        assert all(boxed[r][0][i].tobytes() == mine.tobytes() for r in range(world)), i
+        assert mine.tobytes() == sent[0][0][i].tobytes(), (i, "differs from the message path")
+        parts = [values(r, MIXED.numel, mine.dtype).astype(np.float64) for r in range(world)]
+        exact = np.mean(parts, 0)
+        for layer in MIXED.layers:  # uncompressed: float rounding; 4-bit: under one unit
+            sl = slice(layer.offset, layer.end)
+            got, want = mine[sl].astype(np.float64), exact[sl]
+            rounding = 2 * np.finfo(mine.dtype).eps * np.abs(want).max()
+            unit = max(np.ptp(p[sl]) for p in parts) / 15 if layer.compressed else 0.0
+            assert np.abs(got - want).max() <= unit + rounding, (i, layer)
 
 
 def sync_job(ctx):

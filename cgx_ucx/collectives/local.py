@@ -48,8 +48,7 @@ from ..transport import progress
 from ..transport.frames import Algo, Coll, Frame
 from ..transport.mailbox import SLOT_BYTES, Mailbox, State
 from .call import abort_error, describe, mismatch_error, what
-from .piece_codec import mix_seed
-from .reduction import AllreduceSpec, host_run
+from .reduction import AllreduceSpec, encode_one_round, host_run
 from .staging import byte_view
 
 __all__ = [
@@ -388,14 +387,7 @@ def post_allreduce(r: Round, flat: Any, spec: AllreduceSpec) -> int:
         nbytes = int(raw.size)
         buf[:nbytes] = raw
     else:
-        piece = spec.plan.chunks[0].pieces[0]
-        seeds = (
-            [mix_seed(spec.seed, r.seq, r.rank, s.layer, s.start) for s in piece.segments]
-            if spec.stochastic
-            else ()
-        )
-        out = host_run(spec, flat.dtype).encode(flat, buf, seeds)
-        nbytes = int(out.size)
+        nbytes = int(encode_one_round(spec, flat, buf, r.seq, r.rank).size)
     r.post(nbytes)
     return nbytes
 

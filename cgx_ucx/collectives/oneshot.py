@@ -29,8 +29,8 @@ from ..arrays import is_cupy
 from ..errors import ProtocolError
 from ..transport.frames import Frame, inlinable
 from .call import PH_SIG, Call, gather_or_cancel
-from .piece_codec import CODEC_INLINE_NUMEL, decode_add_piece, mix_seed
-from .reduction import AllreduceSpec, PieceSteps, host_run
+from .piece_codec import CODEC_INLINE_NUMEL, decode_add_piece
+from .reduction import AllreduceSpec, PieceSteps, encode_one_round, host_run
 from .staging import synchronize
 
 __all__ = ["Oneshot", "oneshot"]
@@ -60,15 +60,8 @@ class Oneshot(PieceSteps):
 
     def encode_host(self) -> Any:
         """This rank's contribution encoded into staging through the spec's HostRun."""
-        spec, call = self.spec, self.call
-        seeds = (
-            [mix_seed(spec.seed, call.seq, self.rank, s.layer, s.start)
-             for s in self.piece.segments]
-            if spec.stochastic
-            else ()
-        )  # fmt: skip
-        run = host_run(spec, self.dtype)
-        return run.encode(self.x, call.take(run.nbytes, self.x), seeds)
+        out = self.call.take(host_run(self.spec, self.dtype).nbytes, self.x)
+        return encode_one_round(self.spec, self.x, out, self.call.seq, self.rank)
 
     async def run(self) -> None:
         call, piece, x = self.call, self.piece, self.x

@@ -25,14 +25,14 @@ import numpy as np
 from ..arrays import xp_of
 from ..transport.frames import Algo, Frame
 from .call import Call
-from .piece_codec import decode_piece, encode_piece, requantize_piece
+from .piece_codec import decode_piece, encode_piece, mix_seed, requantize_piece
 from .plan import Piece, Plan
 from .staging import byte_view, synchronize
 
 if TYPE_CHECKING:
     from ..compression.host_run import HostRun
 
-__all__ = ["AllreduceSpec", "PieceSteps", "host_run"]
+__all__ = ["AllreduceSpec", "PieceSteps", "encode_one_round", "host_run"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,19 @@ def host_run(spec: AllreduceSpec, dtype: np.dtype) -> HostRun:
                 for s in piece.segments]  # fmt: skip
         run = spec.memo[key] = HostRun(segs, dtype, spec.stochastic)
     return run
+
+
+def encode_one_round(spec: AllreduceSpec, x: Any, out: Any, seq: int, rank: int) -> Any:
+    """Rank ``rank``'s contribution to the one-round allreduce ``seq`` of host buffer ``x``
+    encoded into ``out`` through :func:`host_run` (seeded as :func:`.encode_piece` seeds
+    each segment); returns the wire bytes."""
+    segments = spec.plan.chunks[0].pieces[0].segments
+    seeds = (
+        [mix_seed(spec.seed, seq, rank, s.layer, s.start) for s in segments]
+        if spec.stochastic
+        else ()
+    )
+    return host_run(spec, x.dtype).encode(x, out, seeds)
 
 
 class PieceSteps:

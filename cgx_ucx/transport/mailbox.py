@@ -298,10 +298,9 @@ class Mailbox:
 
     @staticmethod
     def _slot_metas(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        at = [_META_AT + slot * _META for slot in (0, 1)]
-        return data[at[0] : at[0] + _META].view(np.uint64), data[at[1] : at[1] + _META].view(
-            np.uint64
-        )
+        """The uint64 meta views of slots 0 and 1 of a mailbox's bytes ``data``."""
+        m0, m1 = (data[at : at + _META].view(np.uint64) for at in (_META_AT, _META_AT + _META))
+        return m0, m1
 
     def peer_alive(self, peer: int) -> bool:
         """Whether ``peer``'s process still runs (same host: its /proc entry exists and is
