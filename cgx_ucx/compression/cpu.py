@@ -604,9 +604,6 @@ def encode_chunks_direct(
     xk = _kernel_view(x)
     key = np.uint64(seed_key(seed)) if seed else _KEY0
     n, bits, bsize, st = hdr.numel, hdr.bits, hdr.bucket_size, hdr.stochastic
-    if n < PARALLEL_MIN_NUMEL:  # run_chunks' own rule, without its call
-        _encode_range(xk, n, bits, bsize, k, st, key, meta, codes, 0, nchunks, nsc, None)
-        return
 
     def run(c0: int, c1: int) -> None:
         _encode_range(xk, n, bits, bsize, k, st, key, meta, codes, c0, c1, nsc, None)
@@ -626,9 +623,6 @@ def decode_add_direct(
     """The kernels of :func:`decode_add_into` on a compressed segment whose header was
     checked, its meta (an aligned float32 view) and codes given (as above)."""
     n, bits, bsize = hdr.numel, hdr.bits, hdr.bucket_size
-    if n < PARALLEL_MIN_NUMEL:
-        _decode_range(codes, meta, n, bits, bsize, k, acc, True, 0, nchunks, nsc)
-        return
 
     def run(c0: int, c1: int) -> None:
         _decode_range(codes, meta, n, bits, bsize, k, acc, True, c0, c1, nsc)
