@@ -5,9 +5,10 @@
 
 Every rank of a world joins one ``cgx`` process group (``init_process_group("cgx")``) and
 one gloo group over the same TCPStore, so every row of a size is measured side by side
-in the same processes. Per size and method, each call is timed on its own (warm-up
-first) and the table gives the median and the 99th percentile over the calls, the
-slowest rank's median being the figure of the call:
+in the same processes. Per size and method, each call is timed on its own, the rows of
+a size taking turns in blocks of 20 calls (2 untimed before each), so that every row
+spans the same stretch of time; the table gives the median and the 99th percentile over
+the calls, the slowest rank's median being the figure of the call:
 
 - ``torch``: ``dist.all_reduce`` (gloo, or the cgx group at 32 / 4 bits): what users see;
 - ``sync``: the engine's synchronous face (``SyncCommunicator.allreduce(...).result()``):
@@ -53,6 +54,10 @@ from .report import (
 )
 
 KiB = 1 << 10
+#: Calls per turn of a row (each row's calls are spread over the whole run in turns of
+#: this many, see _measure), and untimed calls before each turn.
+BLOCK = 20
+BLOCK_WARMUP = 2
 #: Buffers of a size each rank holds at once: the tensor reduced in place and the
 #: backends' staging (about 3 in all).
 BUFFERS_PER_RANK = 3
@@ -116,7 +121,7 @@ def _measure(rank: int, world: int, port: int, opts: dict[str, Any]) -> dict[str
     pg = dist.group.WORLD  # the cgx ProcessGroup (init_process_group's default group)
     sync = pg.communicator
     comm, engine = sync.comm, sync.engine
-    iters, warmup = opts["iters"], 5
+    iters = opts["iters"]
     from cgx_ucx.transport.progress import driver
 
     drv = driver(engine.loop)
@@ -124,7 +129,6 @@ def _measure(rank: int, world: int, port: int, opts: dict[str, Any]) -> dict[str
     def counters() -> tuple[int, int]:
         return (drv.wakeups if drv is not None else 0, comm.stats.messages_sent)
 
-    calls_per_row = iters + warmup
     # cgx calls average (same cost as a sum) so that hundreds of in-place calls stay
     # finite; gloo has no AVG and sums (overflow does not change its time).
     AVG = dist.ReduceOp.AVG
@@ -150,13 +154,86 @@ def _measure(rank: int, world: int, port: int, opts: dict[str, Any]) -> dict[str
         warm = _time_calls(lambda: dist.all_reduce(t, op=AVG), 20, 2)
         first["warm_s"] = float(np.median(warm))
 
-    rows: list[dict[str, Any]] = []
-    mark = [counters()]
+    # Every row of a size is measured in blocks of BLOCK calls, the rows taking turns
+    # (gloo, then torch / sync / core per bit width, again and again), so that each
+    # row's median spans the same stretch of time as the others': the VM's slow drifts
+    # (a neighbour's load, a frequency change) shift every row alike instead of whichever
+    # row they fall on, and the bridge (torch - core) compares like with like.
+    samples: dict[tuple[float, str, str], list[float]] = {}
+    counted: dict[tuple[float, str, str], list[float]] = {}
 
-    def row(kib: float, path: str, method: str, samples: list[float]) -> None:
-        med, p99 = _percentiles(samples)
-        now = counters()
-        wake, msgs = ((a - b) / calls_per_row for a, b in zip(now, mark[0], strict=True))
+    def block(key: tuple[float, str, str], timed: Callable[[], list[float]]) -> None:
+        """One turn of a row: its timed calls, and its counters (warm-up calls too)."""
+        before = counters()
+        times = timed()
+        samples.setdefault(key, []).extend(times)
+        total = counted.setdefault(key, [0.0, 0.0, 0.0])
+        for k, (a, b) in enumerate(zip(counters(), before, strict=True)):
+            total[k] += a - b
+        total[2] += len(times) + BLOCK_WARMUP
+
+    def sync_call(arr: np.ndarray, b: int) -> None:
+        sync.allreduce(arr, "avg", bits=b).result()
+
+    for kib in opts["sizes_kib"]:
+        n = max(int(kib * KiB) // 4, 1)
+        x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
+        arr = x.numpy()
+        dist.barrier(group=gloo)
+        for start in range(0, iters, BLOCK):
+            calls = min(BLOCK, iters - start)
+            block(
+                (kib, "torch", "gloo"),
+                lambda x=x, c=calls: _time_calls(
+                    lambda: dist.all_reduce(x, group=gloo), c, BLOCK_WARMUP
+                ),
+            )
+            for bits in opts["bits"]:
+                name = f"cgx{bits}"
+                pg.compression = CompressionConfig(bits=bits, minimal_size=16)
+                block(
+                    (kib, "torch", name),
+                    lambda x=x, c=calls: _time_calls(
+                        lambda: dist.all_reduce(x, op=AVG), c, BLOCK_WARMUP
+                    ),
+                )
+                block(
+                    (kib, "sync", name),
+                    lambda a=arr, b=bits, c=calls: _time_calls(
+                        lambda: sync_call(a, b), c, BLOCK_WARMUP
+                    ),
+                )
+
+                async def core_op(b: int = bits, arr: np.ndarray = arr) -> None:
+                    await comm.allreduce(arr, "avg", bits=b)
+
+                block(
+                    (kib, "core", name),
+                    lambda op=core_op, c=calls: engine.run(_time_core(op, c, BLOCK_WARMUP)),
+                )
+    dist.barrier(group=gloo)
+    for start in range(0, iters, BLOCK):
+        calls = min(BLOCK, iters - start)
+        block(
+            (0, "torch", "gloo barrier"),
+            lambda c=calls: _time_calls(lambda: dist.barrier(group=gloo), c, BLOCK_WARMUP),
+        )
+        block(
+            (0, "torch", "cgx barrier"), lambda c=calls: _time_calls(dist.barrier, c, BLOCK_WARMUP)
+        )
+        block(
+            (0, "sync", "cgx barrier"),
+            lambda c=calls: _time_calls(lambda: sync.barrier().result(), c, BLOCK_WARMUP),
+        )
+        block(
+            (0, "core", "cgx barrier"),
+            lambda c=calls: engine.run(_time_core(comm.barrier, c, BLOCK_WARMUP)),
+        )
+    rows: list[dict[str, Any]] = []
+    for (kib, path, method), times in samples.items():
+        med, p99 = _percentiles(times)
+        wake, msgs, ncalls = counted[(kib, path, method)]
+        plain = method.startswith("gloo")
         rows.append(
             {
                 "kib": kib,
@@ -164,61 +241,10 @@ def _measure(rank: int, world: int, port: int, opts: dict[str, Any]) -> dict[str
                 "method": method,
                 "median_us": med,
                 "p99_us": p99,
-                "wakeups_per_call": 0.0 if method.startswith("gloo") else wake,
-                "messages_per_call": 0.0 if method.startswith("gloo") else msgs,
+                "wakeups_per_call": 0.0 if plain else wake / ncalls,
+                "messages_per_call": 0.0 if plain else msgs / ncalls,
             }
         )
-
-    def start() -> None:  # counters from here to the next row()
-        mark[0] = counters()
-
-    for kib in opts["sizes_kib"]:
-        n = max(int(kib * KiB) // 4, 1)
-        x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
-        arr = x.numpy()
-        dist.barrier(group=gloo)
-        start()
-        row(
-            kib,
-            "torch",
-            "gloo",
-            _time_calls(lambda x=x: dist.all_reduce(x, group=gloo), iters, warmup),
-        )
-        for bits in opts["bits"]:
-            name = f"cgx{bits}"
-            pg.compression = CompressionConfig(bits=bits, minimal_size=16)
-            dist.barrier(group=gloo)
-            start()
-            row(
-                kib,
-                "torch",
-                name,
-                _time_calls(lambda x=x: dist.all_reduce(x, op=AVG), iters, warmup),
-            )
-            dist.barrier(group=gloo)
-            start()
-
-            def sync_call(b: int = bits, arr: np.ndarray = arr) -> None:
-                sync.allreduce(arr, "avg", bits=b).result()
-
-            row(kib, "sync", name, _time_calls(sync_call, iters, warmup))
-            dist.barrier(group=gloo)
-            start()
-
-            async def core_op(b: int = bits, arr: np.ndarray = arr) -> None:
-                await comm.allreduce(arr, "avg", bits=b)
-
-            samples = engine.run(_time_core(core_op, iters, warmup))
-            row(kib, "core", name, samples)
-    dist.barrier(group=gloo)
-    start()
-    row(0, "torch", "gloo barrier", _time_calls(lambda: dist.barrier(group=gloo), iters, warmup))
-    start()
-    row(0, "torch", "cgx barrier", _time_calls(dist.barrier, iters, warmup))
-    start()
-    row(0, "sync", "cgx barrier", _time_calls(lambda: sync.barrier().result(), iters, warmup))
-    start()
-    row(0, "core", "cgx barrier", engine.run(_time_core(comm.barrier, iters, warmup)))
     stats = comm.stats.as_dict()
     dist.barrier(group=gloo)
     dist.destroy_process_group()

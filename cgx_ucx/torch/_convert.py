@@ -25,7 +25,7 @@ from ..errors import ConfigError
 __all__ = [
     "FLOAT_DTYPES",
     "as_array",
-    "can_sum",
+    "can_sum_dtype",
     "is_float",
 ]
 
@@ -54,9 +54,10 @@ def is_float(tensor: torch.Tensor) -> bool:
     return tensor.dtype in FLOAT_DTYPES
 
 
-def can_sum(tensor: torch.Tensor) -> bool:
-    """True when the engine can sum ``tensor`` itself (else the backend reduces locally)."""
-    return tensor.dtype in _SUMMABLE
+def can_sum_dtype(dtype: torch.dtype) -> bool:
+    """True when the engine can sum tensors of ``dtype`` itself (else the backend
+    reduces locally)."""
+    return dtype in _SUMMABLE
 
 
 def as_array(tensor: torch.Tensor) -> Any:
@@ -65,8 +66,12 @@ def as_array(tensor: torch.Tensor) -> Any:
     ``tensor`` must be dense and contiguous; callers make a contiguous staging copy
     first when it is not (and copy the result back).
     """
-    if tensor.layout != torch.strided:
+    if tensor.layout is not torch.strided:
         raise ConfigError(f"cgx_ucx moves dense tensors only, got layout {tensor.layout}")
+    if tensor.is_cpu and tensor.dtype in _PLAIN_CPU and tensor.is_contiguous():
+        # The common case, in fewest steps (every small all_reduce pays them; issue 10):
+        # a contiguous host tensor of a NumPy dtype is its own array view.
+        return (tensor.detach() if tensor.requires_grad else tensor).numpy()
     if not tensor.is_contiguous():
         raise ConfigError("as_array needs a contiguous tensor (make a staging copy first)")
     t = tensor.detach()

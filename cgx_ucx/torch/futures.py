@@ -31,7 +31,7 @@ import torch
 
 from ..errors import TransportError
 
-__all__ = ["TorchBridge", "complete_from", "completion_executor", "to_torch_future"]
+__all__ = ["TorchBridge", "complete_from", "completion_executor", "outcome", "to_torch_future"]
 
 T = TypeVar("T")
 
@@ -54,30 +54,39 @@ def completion_executor() -> concurrent.futures.ThreadPoolExecutor:
         return _executor
 
 
+def outcome(
+    src: concurrent.futures.Future[Any], finish: Callable[[Any], T]
+) -> tuple[T | None, BaseException | None]:
+    """(``finish(result)``, None) of the finished ``src``, or (None, its error): a
+    cancellation as a typed error, a failing ``finish`` as its own."""
+    try:
+        result = src.result(0)  # one look at the future (it is done)
+    except concurrent.futures.CancelledError:
+        # The engine cancels the calls still running when their communicator closes
+        # (destroy_process_group with async work pending): a typed error, not a bare
+        # concurrent.futures.CancelledError.
+        return None, TransportError(
+            "the collective was cancelled before it completed: its process group was "
+            "shut down (destroy_process_group) while it was still running, or (a "
+            "receive) its wait timed out"
+        )
+    except BaseException as err:  # the collective's error
+        return None, err
+    try:
+        return finish(result), None
+    except BaseException as err:  # a failing finish()
+        return None, err
+
+
 def complete_from(
     src: concurrent.futures.Future[Any],
     dst: torch.futures.Future[T],
     finish: Callable[[Any], T],
     done: Callable[[BaseException | None], None] | None,
 ) -> None:
-    """Complete ``dst`` from the finished ``src``: ``finish(result)``, or the error (a
-    cancellation as a typed one); then ``done(error or None)``."""
-    try:
-        if src.cancelled():
-            # The engine cancels the calls still running when their communicator closes
-            # (destroy_process_group with async work pending): a typed error, not a bare
-            # concurrent.futures.CancelledError.
-            exc = TransportError(
-                "the collective was cancelled before it completed: its process group was "
-                "shut down (destroy_process_group) while it was still running, or (a "
-                "receive) its wait timed out"
-            )
-        else:
-            exc = src.exception()
-            if exc is None:
-                value = finish(src.result())
-    except BaseException as err:  # a failing finish()
-        exc = err
+    """Complete ``dst`` from the finished ``src`` (:func:`outcome`); then
+    ``done(error or None)``."""
+    value, exc = outcome(src, finish)
     try:
         if exc is not None:
             dst.set_exception(exc)

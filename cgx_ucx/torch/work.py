@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CGXTimeoutError
-from .futures import TorchBridge, complete_from
+from .futures import TorchBridge, outcome
 
 __all__ = ["CGXWork", "wait_seconds"]
 
@@ -53,9 +53,13 @@ class CGXWork(_TorchWork):
 
     def __init__(self, what: str, timeout: float) -> None:
         super().__init__()
-        self._future: torch.futures.Future[Any] = torch.futures.Future()
         self._what = what
         self._timeout = timeout
+        # The torch future: made at once for a pending work (its bridge completes it);
+        # for one done at construction, only when get_future() asks (most synchronous
+        # calls never do: a torch future costs a few us of a ~100 us call).
+        self._future: torch.futures.Future[Any] | None = None
+        self._value: Any = None
         # Done-ness: a flag and a latch (a lock held until done; a waiter acquires and
         # releases it). A threading.Event costs ~6 us to make, on every collective.
         self._finished = False
@@ -81,9 +85,11 @@ class CGXWork(_TorchWork):
         work = cls(what, timeout)
         if source.done():
             # Done already (a mailbox collective ran on the caller's thread): completed
-            # here, without a bridge (its object and locks cost ~10 us of a ~100 us call).
-            complete_from(source, work._future, finish, work.mark_done)
+            # here, with neither a bridge nor a torch future (issue 10: both cost ~10 us).
+            work._value, exc = outcome(source, finish)
+            work.mark_done(exc)
         else:
+            work._future = torch.futures.Future()
             work._bridge = TorchBridge(source, finish, done=work.mark_done, future=work._future)
         return work
 
@@ -130,7 +136,15 @@ class CGXWork(_TorchWork):
         return True
 
     def get_future(self) -> torch.futures.Future[Any]:
-        return self._future
+        future = self._future
+        if future is None:  # made on demand (completed, for a work done at construction)
+            future = torch.futures.Future()
+            if self._finished and self._exception is not None:
+                future.set_exception(self._exception)
+            elif self._finished:
+                future.set_result(self._value)
+            self._future = future
+        return future
 
     def is_completed(self) -> bool:
         return self._finished
@@ -143,7 +157,7 @@ class CGXWork(_TorchWork):
 
     def result(self) -> Any:
         self.wait()
-        return self._future.value()
+        return self.get_future().value()
 
     def synchronize(self) -> None:
         # Results are written by the engine before the future completes (CPU), or on
