@@ -32,6 +32,7 @@ from ._convert import FLOAT_DTYPES, as_array, can_sum_dtype, is_float
 from .protocols import Communicator
 
 __all__ = [
+    "NOTHING",
     "GroupView",
     "Pending",
     "allgather_coalesced",
@@ -81,8 +82,8 @@ class Pending:
     finish: Callable[[Any], Any]
 
 
-def _nothing() -> None:
-    return None
+def NOTHING() -> None:
+    """The step after a call that needs none (compared by identity: the caller skips it)."""
 
 
 def red_op(op: Any) -> Any:
@@ -98,7 +99,7 @@ def staged(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
             "first, or use a gloo group for sparse all_reduce"
         )
     if t.is_contiguous():
-        return t, _nothing
+        return t, NOTHING
     if any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride(), strict=True)):
         # An expanded view: several elements share one memory location, so no result can
         # be written into it (torch refused the copy back after the call had run; review).
@@ -218,7 +219,7 @@ def allreduce_into(
             cf = g.comm.allreduce(
                 arr, name, layout=lay, stochastic=cfg.stochastic, seed=cfg.seed, root=root
             )
-        return cf, _nothing
+        return cf, NOTHING
     kind = _local_kind(t, op)
     # Exact: allgather every rank's tensor, then reduce locally in rank order, so
     # every rank computes the same value.
