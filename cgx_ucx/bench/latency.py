@@ -58,6 +58,8 @@ KiB = 1 << 10
 #: this many, see _measure), and untimed calls before each turn.
 BLOCK = 20
 BLOCK_WARMUP = 2
+#: Values per quantization bucket on every path (the torch rows' CompressionConfig default).
+BUCKET = 512
 #: Buffers of a size each rank holds at once: the tensor reduced in place and the
 #: backends' staging (about 3 in all).
 BUFFERS_PER_RANK = 3
@@ -173,7 +175,9 @@ def _measure(rank: int, world: int, port: int, opts: dict[str, Any]) -> dict[str
         total[2] += len(times) + BLOCK_WARMUP
 
     def sync_call(arr: np.ndarray, b: int) -> None:
-        sync.allreduce(arr, "avg", bits=b).result()
+        # The torch rows' configuration (its bucket size too: CompressionConfig's 512, not
+        # the engine's 1024), so that every path of a row does the same work.
+        sync.allreduce(arr, "avg", bits=b, bucket_size=BUCKET).result()
 
     for kib in opts["sizes_kib"]:
         n = max(int(kib * KiB) // 4, 1)
@@ -190,7 +194,7 @@ def _measure(rank: int, world: int, port: int, opts: dict[str, Any]) -> dict[str
             )
             for bits in opts["bits"]:
                 name = f"cgx{bits}"
-                pg.compression = CompressionConfig(bits=bits, minimal_size=16)
+                pg.compression = CompressionConfig(bits=bits, bucket_size=BUCKET, minimal_size=16)
                 block(
                     (kib, "torch", name),
                     lambda x=x, c=calls: _time_calls(
@@ -205,7 +209,7 @@ def _measure(rank: int, world: int, port: int, opts: dict[str, Any]) -> dict[str
                 )
 
                 async def core_op(b: int = bits, arr: np.ndarray = arr) -> None:
-                    await comm.allreduce(arr, "avg", bits=b)
+                    await comm.allreduce(arr, "avg", bits=b, bucket_size=BUCKET)
 
                 block(
                     (kib, "core", name),
