@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 from cgx_ucx.config import CommConfig, CompressionConfig  # noqa: E402
-from cgx_ucx.errors import CGXTimeoutError, ConfigError, PeerLostError  # noqa: E402
+from cgx_ucx.errors import CGXError, CGXTimeoutError, ConfigError, PeerLostError  # noqa: E402
 from cgx_ucx.layout import Layout  # noqa: E402
 from cgx_ucx.torch import BACKEND_NAME, CGXOptions, layer_layout, wire_bytes  # noqa: E402
 from cgx_ucx.torch._convert import as_array  # noqa: E402
@@ -168,6 +168,45 @@ def test_work_wait_raises_the_collective_error() -> None:
         work.wait()
     assert work.is_completed() and not work.is_success()
     assert isinstance(work.exception(), PeerLostError)
+
+
+@pytest.mark.timeout(30)
+def test_work_of_a_finished_engine_call_hands_out_its_result_and_error() -> None:
+    """A Work made from a done engine future (every mailbox call) makes its torch future
+    only when asked (issue 10): the value, the error and the chained callbacks still
+    arrive as for a pending one, and the future is the same object on every ask."""
+    t = torch.ones(3)
+    done: concurrent.futures.Future[int] = concurrent.futures.Future()
+    done.set_result(5)
+    seen = []
+    work = CGXWork.from_future("allreduce", 10, done, lambda v: seen.append(v) or [t])
+    assert seen == [5] and work.is_completed() and work.is_success()
+    assert work.wait() is True and work.result() == [t]
+    fut = work.get_future()
+    assert fut is work.get_future() and fut.done() and fut.value() == [t]
+    assert fut.then(lambda f: f.value()[0].sum().item()).wait() == 3.0
+
+    failed: concurrent.futures.Future[int] = concurrent.futures.Future()
+    failed.set_exception(PeerLostError("peer 1 lost", peer=1))
+    work = CGXWork.from_future("allreduce", 10, failed, lambda v: [t])
+    assert work.is_completed() and not work.is_success()
+    with pytest.raises(PeerLostError, match="peer 1"):
+        work.wait()
+    with pytest.raises(PeerLostError, match="peer 1"):
+        work.get_future().wait()
+
+    def bad_finish(_: int) -> list[torch.Tensor]:
+        raise ConfigError("finish failed")
+
+    work = CGXWork.from_future("allreduce", 10, done, bad_finish)
+    with pytest.raises(ConfigError, match="finish failed"):
+        work.wait()
+
+    cancelled: concurrent.futures.Future[int] = concurrent.futures.Future()
+    cancelled.cancel()
+    work = CGXWork.from_future("allreduce", 10, cancelled, lambda v: [t])
+    with pytest.raises(CGXError, match="shut down"):
+        work.wait()
 
 
 # -- layouts and bytes ---------------------------------------------------------------------
