@@ -3,6 +3,12 @@ are what summarize() returns)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
+import pytest
+
 from cgx_ucx.bench.latency import targets
 
 
@@ -39,3 +45,30 @@ def test_targets_judge_each_size_method_and_hop():
 
 def test_no_rows_no_verdicts():
     assert targets([], {}) == []
+
+
+@pytest.mark.timeout(300)
+def test_the_command_measures_every_row_in_turns(tmp_path):
+    """The command end to end on 2 ranks, small: every (size, path, method) row is there
+    (its calls taken in turns: 30 calls are a turn of 20 and one of 10), with a median
+    and a p99, no messages on one host, and the verdicts printed and written."""
+    out = tmp_path / "lat"
+    proc = subprocess.run(
+        [sys.executable, "-m", "cgx_ucx.bench", "latency", "--world", "2", "--sizes-kib", "4",
+         "--iters", "30", "--out-dir", str(out)],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads((out / "latency.json").read_text())
+    got = {(r["world"], r["kib"], r["path"], r["method"]) for r in data["rows"]}
+    want = {(2, 4.0, "torch", "gloo")}
+    want |= {(2, 4.0, p, f"cgx{b}") for p in ("torch", "sync", "core") for b in (32, 4)}
+    want |= {(2, 0, "torch", "gloo barrier")}
+    want |= {(2, 0, p, "cgx barrier") for p in ("torch", "sync", "core")}
+    assert got == want
+    for r in data["rows"]:
+        assert 0 < r["median_us"] <= r["p99_us"], r
+        assert r["messages_per_call"] < 0.5  # one host: the cgx rows go through mailboxes
+    assert data["iters"] == 30
+    assert {c["target"] for c in data["targets"]} >= {"4 KiB cgx32 bridge us", "barrier core us"}
+    assert "Against issue 10's targets" in proc.stdout
