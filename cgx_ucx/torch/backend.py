@@ -336,17 +336,11 @@ class ProcessGroupCGX(dist.ProcessGroup):
     # -- collectives -------------------------------------------------------------------------
     @_tells_peers
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> CGXWork:
-        # Every small all_reduce pays each step here (issue 10: ~1-3 us each inside a
-        # training loop), so the common case (one tensor, in no need of staging or of a
-        # step after the call) takes the fewest.
-        if self._closed:
-            self._check_open()
+        self._check_open()
         opts = opts if opts is not None else dist.AllreduceOptions()
-        t = tensors[0] if len(tensors) == 1 else self._single(tensors, "allreduce")
+        t = self._single(tensors, "allreduce")
         stage, back = ops.staged(t)
         cf, post = ops.allreduce_into(self._view, stage, opts.reduceOp, self.compression)
-        if post is ops.NOTHING and back is ops.NOTHING:
-            return self._work("allreduce", cf, lambda _: tensors, opts.timeout)
 
         def finish(_: Any) -> list[torch.Tensor]:
             post()

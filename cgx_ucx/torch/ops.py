@@ -32,7 +32,6 @@ from ._convert import FLOAT_DTYPES, as_array, can_sum_dtype, is_float
 from .protocols import Communicator
 
 __all__ = [
-    "NOTHING",
     "GroupView",
     "Pending",
     "allgather_coalesced",
@@ -82,8 +81,8 @@ class Pending:
     finish: Callable[[Any], Any]
 
 
-def NOTHING() -> None:
-    """The step after a call that needs none (compared by identity: the caller skips it)."""
+def _nothing() -> None:
+    return None
 
 
 def red_op(op: Any) -> Any:
@@ -99,7 +98,7 @@ def staged(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
             "first, or use a gloo group for sparse all_reduce"
         )
     if t.is_contiguous():
-        return t, NOTHING
+        return t, _nothing
     if any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride(), strict=True)):
         # An expanded view: several elements share one memory location, so no result can
         # be written into it (torch refused the copy back after the call had run; review).
@@ -213,13 +212,10 @@ def allreduce_into(
     if name is not None and _engine_sums(t.dtype, name):
         arr = as_array(t)  # any shape (the engine flattens it); complex: 2 floats a value
         lay = _one_layer(arr.size, cfg if cfg.enabled and t.dtype in FLOAT_DTYPES else None)
-        if root is None:  # keywords spelled out: no dictionary per call
-            cf = g.comm.allreduce(arr, name, layout=lay, stochastic=cfg.stochastic, seed=cfg.seed)
-        else:
-            cf = g.comm.allreduce(
-                arr, name, layout=lay, stochastic=cfg.stochastic, seed=cfg.seed, root=root
-            )
-        return cf, NOTHING
+        cf = g.comm.allreduce(
+            arr, name, layout=lay, stochastic=cfg.stochastic, seed=cfg.seed, root=root
+        )
+        return cf, _nothing
     kind = _local_kind(t, op)
     # Exact: allgather every rank's tensor, then reduce locally in rank order, so
     # every rank computes the same value.
