@@ -163,76 +163,53 @@ def _measure(rank: int, world: int, port: int, opts: dict[str, Any]) -> dict[str
     # row they fall on, and the bridge (torch - core) compares like with like.
     samples: dict[tuple[float, str, str], list[float]] = {}
     counted: dict[tuple[float, str, str], list[float]] = {}
+    turns = [min(BLOCK, iters - start) for start in range(0, iters, BLOCK)]
 
-    def block(key: tuple[float, str, str], timed: Callable[[], list[float]]) -> None:
-        """One turn of a row: its timed calls, and its counters (warm-up calls too)."""
+    def block(key: tuple[float, str, str], calls: int, fn: Any = None, loop_op: Any = None) -> None:
+        """One turn of a row: ``calls`` timed calls of ``fn`` on this thread, or of the
+        coroutine function ``loop_op`` on the engine loop; its counters (warm-up too)."""
         before = counters()
-        times = timed()
+        if loop_op is not None:
+            times = engine.run(_time_core(loop_op, calls, BLOCK_WARMUP))
+        else:
+            times = _time_calls(fn, calls, BLOCK_WARMUP)
         samples.setdefault(key, []).extend(times)
         total = counted.setdefault(key, [0.0, 0.0, 0.0])
         for k, (a, b) in enumerate(zip(counters(), before, strict=True)):
             total[k] += a - b
         total[2] += len(times) + BLOCK_WARMUP
 
-    def sync_call(arr: np.ndarray, b: int) -> None:
-        # The torch rows' configuration (its bucket size too: CompressionConfig's 512, not
-        # the engine's 1024), so that every path of a row does the same work.
-        sync.allreduce(arr, "avg", bits=b, bucket_size=BUCKET).result()
-
     for kib in opts["sizes_kib"]:
         n = max(int(kib * KiB) // 4, 1)
         x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
         arr = x.numpy()
         dist.barrier(group=gloo)
-        for start in range(0, iters, BLOCK):
-            calls = min(BLOCK, iters - start)
-            block(
-                (kib, "torch", "gloo"),
-                lambda x=x, c=calls: _time_calls(
-                    lambda: dist.all_reduce(x, group=gloo), c, BLOCK_WARMUP
-                ),
-            )
+        for calls in turns:
+            block((kib, "torch", "gloo"), calls, lambda x=x: dist.all_reduce(x, group=gloo))
             for bits in opts["bits"]:
                 name = f"cgx{bits}"
+                # Every path of a row does the same work: the torch rows' configuration,
+                # its bucket too (CompressionConfig's 512, not the engine's 1024).
                 pg.compression = CompressionConfig(bits=bits, bucket_size=BUCKET, minimal_size=16)
-                block(
-                    (kib, "torch", name),
-                    lambda x=x, c=calls: _time_calls(
-                        lambda: dist.all_reduce(x, op=AVG), c, BLOCK_WARMUP
-                    ),
-                )
+                block((kib, "torch", name), calls, lambda x=x: dist.all_reduce(x, op=AVG))
                 block(
                     (kib, "sync", name),
-                    lambda a=arr, b=bits, c=calls: _time_calls(
-                        lambda: sync_call(a, b), c, BLOCK_WARMUP
-                    ),
+                    calls,
+                    lambda a=arr, b=bits: sync.allreduce(
+                        a, "avg", bits=b, bucket_size=BUCKET
+                    ).result(),
                 )
 
                 async def core_op(b: int = bits, arr: np.ndarray = arr) -> None:
                     await comm.allreduce(arr, "avg", bits=b, bucket_size=BUCKET)
 
-                block(
-                    (kib, "core", name),
-                    lambda op=core_op, c=calls: engine.run(_time_core(op, c, BLOCK_WARMUP)),
-                )
+                block((kib, "core", name), calls, loop_op=core_op)
     dist.barrier(group=gloo)
-    for start in range(0, iters, BLOCK):
-        calls = min(BLOCK, iters - start)
-        block(
-            (0, "torch", "gloo barrier"),
-            lambda c=calls: _time_calls(lambda: dist.barrier(group=gloo), c, BLOCK_WARMUP),
-        )
-        block(
-            (0, "torch", "cgx barrier"), lambda c=calls: _time_calls(dist.barrier, c, BLOCK_WARMUP)
-        )
-        block(
-            (0, "sync", "cgx barrier"),
-            lambda c=calls: _time_calls(lambda: sync.barrier().result(), c, BLOCK_WARMUP),
-        )
-        block(
-            (0, "core", "cgx barrier"),
-            lambda c=calls: engine.run(_time_core(comm.barrier, c, BLOCK_WARMUP)),
-        )
+    for calls in turns:
+        block((0, "torch", "gloo barrier"), calls, lambda: dist.barrier(group=gloo))
+        block((0, "torch", "cgx barrier"), calls, dist.barrier)
+        block((0, "sync", "cgx barrier"), calls, lambda: sync.barrier().result())
+        block((0, "core", "cgx barrier"), calls, loop_op=comm.barrier)
     rows: list[dict[str, Any]] = []
     for (kib, path, method), times in samples.items():
         med, p99 = _percentiles(times)
