@@ -1,4 +1,5 @@
 import logging
+import os
 
 import pytest
 
@@ -188,6 +189,14 @@ def test_compression_from_env_follows_every_change(monkeypatch):
         compression_from_env()
     monkeypatch.setenv(ENV_BITS, "8")
     assert compression_from_env().bits == 8
+    monkeypatch.delenv(ENV_BITS)
+    assert compression_from_env() == resolve_compression()
+    # An os.environ without CPython's bytes dict (replaced by a plain mapping): the
+    # public reads, same answers.
+    monkeypatch.setattr(os, "environ", {ENV_BITS: "2"})
+    assert compression_from_env().bits == 2
+    os.environ[ENV_BITS] = "4"
+    assert compression_from_env().bits == 4
 
 
 def test_bad_spin_mode_is_caught_with_the_other_variables():
