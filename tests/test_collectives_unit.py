@@ -649,3 +649,115 @@ def test_a_gather_signs_its_root():
     assert "root=2" in describe(b) and "root" not in describe(c)
     with pytest.raises(ConfigError, match="root"):
         prepare_allgather(x, None, 3, root=3)
+
+
+# -- all-to-all ---------------------------------------------------------------------------
+
+
+def a2a_count(src: int, dst: int) -> int:
+    """Values rank ``src`` sends rank ``dst`` in the uneven all-to-all tests: several small
+    pieces for most pairs (900 values from rank 0 to rank 1), none for some."""
+    return 0 if (src + dst) % 3 == 2 else (src + 2 * dst + 1) * 300
+
+
+def a2a_block(src: int, dst: int) -> np.ndarray:
+    return np.arange(a2a_count(src, dst), dtype=np.int64) + 1_000_000 * src + 10_000 * dst
+
+
+def a2a_counts(rank: int, world: int) -> tuple[list[int], list[int]]:
+    """(send counts, receive counts) of ``rank`` when every pair agrees."""
+    return [a2a_count(rank, i) for i in range(world)], [a2a_count(p, rank) for p in range(world)]
+
+
+async def mismatch_text(call) -> str | None:
+    """The CollectiveMismatchError's text that awaiting ``call`` raised; None if none."""
+    try:
+        await call
+    except CollectiveMismatchError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_uneven_alltoall_is_exact(world):
+    async def body(comm):
+        r = comm.rank
+        sc, rc = a2a_counts(r, world)
+        x = np.concatenate([a2a_block(r, i) for i in range(world)])
+        out = np.full(sum(rc), -1, np.int64)
+        got = await comm.alltoall(x, out, sc, rc)
+        even = np.full(2 * world, -1, np.int32)
+        await comm.alltoall(np.repeat(np.arange(world, dtype=np.int32) + 10 * r, 2), even)
+        return got, out, even
+
+    for r, (got, out, even) in enumerate(ok(run_world(world, body))):
+        want = np.concatenate([a2a_block(p, r) for p in range(world)])
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(out, want)  # in place
+        np.testing.assert_array_equal(even, np.repeat(10 * np.arange(world) + r, 2))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("liar", ["sender", "receiver"])
+@pytest.mark.parametrize("delta", [1, -1])
+def test_alltoall_counts_that_differ_fail_both_ranks_of_the_pair(world, liar, delta):
+    """Rank 0's send count to rank 1 and rank 1's receive count from rank 0 differ (one
+    of the two is off by ``delta``). Before, only the receiver raised: the sender had
+    finished its sends and receives before the receiver's ABORT came, and returned.
+    Now both ranks of the pair raise CollectiveMismatchError naming the ranks and both
+    counts (the same words on both), before any data moved; a third rank fails too (the
+    pair's ABORT: it waits for their blocks); the next call works on every rank."""
+
+    async def body(comm):
+        r = comm.rank
+        sc, rc = a2a_counts(r, world)
+        if liar == "sender" and r == 0:
+            sc[1] += delta
+        if liar == "receiver" and r == 1:
+            rc[0] += delta
+        x = np.arange(sum(sc), dtype=np.int64)
+        out = np.full(sum(rc), -1, np.int64)
+        caught = await mismatch_text(comm.alltoall(x, out, sc, rc))
+        y = int_data(r, 10, np.int32)
+        await comm.allreduce(y)
+        return caught, out, y
+
+    sent, expected = (900 + delta, 900) if liar == "sender" else (900, 900 + delta)
+    words = f"rank 0 sends rank 1 {sent} values, rank 1 expects {expected}"
+    results = ok(run_world(world, body, timeout=20.0))  # far below the 60 s timeout
+    for r, (caught, out, y) in enumerate(results):
+        assert caught is not None, f"rank {r} returned from a bad all-to-all"
+        assert words in caught, (r, caught)
+        assert "alltoall" in caught, caught
+        if r < 2:  # the pair: its own check (or its partner's ABORT), nothing written
+            assert (out == -1).all(), f"rank {r} wrote output"
+        else:
+            assert "rank 0 aborted" in caught or "rank 1 aborted" in caught, caught
+        np.testing.assert_array_equal(y, sum(int_data(q, 10, np.int32) for q in range(world)))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("case", ["dtype", "collective"])
+def test_alltoall_against_another_call_fails_every_rank(world, case):
+    """Rank 1 calls an all-to-all of another dtype, or an allgather: every rank raises
+    the signature mismatch (the per-peer SIG frames are still a signature)."""
+
+    async def body(comm):
+        r = comm.rank
+        sc, rc = a2a_counts(r, world)
+        dtype = np.float32 if case == "dtype" and r == 1 else np.int64
+        x = np.zeros(sum(sc), dtype)
+        out = np.full(sum(rc), -1, dtype)
+        if case == "collective" and r == 1:
+            caught = await mismatch_text(comm.allgather(np.zeros(4, np.int64)))
+        else:
+            caught = await mismatch_text(comm.alltoall(x, out, sc, rc))
+        y = int_data(r, 10, np.int32)
+        await comm.allreduce(y)
+        return caught, y
+
+    for r, (caught, y) in enumerate(ok(run_world(world, body, timeout=20.0))):
+        assert caught is not None and "rank 1 called" in caught, (r, caught)
+        want = "float32" if case == "dtype" else "allgather"
+        assert want in caught, caught
+        np.testing.assert_array_equal(y, sum(int_data(q, 10, np.int32) for q in range(world)))

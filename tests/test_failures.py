@@ -143,6 +143,73 @@ def test_mismatch_raises_on_every_rank_and_writes_nothing():
         assert "rank 1 called" in results[0][what][0]
 
 
+def a2a_count(src: int, dst: int) -> int:
+    """Values rank ``src`` sends rank ``dst`` in the all-to-all tests: two 4 MiB pieces
+    from rank 0 to rank 1 (600k int64), more from rank 2 to rank 1, none for some pairs."""
+    return 0 if (src + dst) % 3 == 2 else (src + 2 * dst + 1) * 200_000
+
+
+def a2a_block(src: int, dst: int) -> np.ndarray:
+    return np.arange(a2a_count(src, dst), dtype=np.int64) + 10_000_000 * src + 1_000_000 * dst
+
+
+def alltoall_pair_disagrees(ctx, liar):
+    """Through the synchronous engine (node-local mailboxes as configured by default: the
+    all-to-all goes over messages anyway): an uneven all-to-all whose pairs agree, then one
+    where rank 0's send count to rank 1 and rank 1's receive count from rank 0 differ by
+    one value (``liar`` is off), then an allreduce."""
+    from cgx_ucx.engine import connect_sync
+
+    r, world = ctx.rank, ctx.world_size
+    comm = connect_sync(ctx.store, r, world, config=CFG)
+    try:
+        sc = [a2a_count(r, i) for i in range(world)]
+        rc = [a2a_count(p, r) for p in range(world)]
+        x = np.concatenate([a2a_block(r, i) for i in range(world)])
+        out = np.full(sum(rc), -1, np.int64)
+        comm.alltoall(x, out, sc, rc).result(CFG.timeout * 2)
+        exact = out.tobytes() == np.concatenate([a2a_block(p, r) for p in range(world)]).tobytes()
+        if liar == "sender" and r == 0:
+            sc[1] += 1
+        if liar == "receiver" and r == 1:
+            rc[0] += 1
+        x = np.zeros(sum(sc), np.int64)
+        out = np.full(sum(rc), -1, np.int64)
+        start = time.monotonic()
+        try:
+            comm.alltoall(x, out, sc, rc).result(CFG.timeout * 2)
+            kind = "no error"
+        except Exception as exc:
+            kind = f"{type(exc).__name__}: {exc}"
+        elapsed = time.monotonic() - start
+        untouched = bool((out == -1).all())
+        y = np.full(7, r, np.int64)
+        comm.allreduce(y).result(CFG.timeout * 2)
+        return exact, kind, elapsed, untouched, y.tolist()
+    finally:
+        comm.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("liar", ["sender", "receiver"])
+def test_alltoall_counts_that_differ_fail_both_ranks_of_the_pair(liar):
+    """Both ranks of a pair whose counts differ raise CollectiveMismatchError naming the
+    two ranks and counts, from the signatures (not the timeout), writing nothing; before,
+    the sender returned as if the call had worked. The third rank fails too (the pair's
+    ABORT); the next call works on every rank."""
+    results = run_ranks(alltoall_pair_disagrees, 3, args=(liar,), timeout=110)
+    n = a2a_count(0, 1)
+    sent, expected = (n + 1, n) if liar == "sender" else (n, n + 1)
+    words = f"rank 0 sends rank 1 {sent} values, rank 1 expects {expected}"
+    for r, (exact, kind, elapsed, untouched, y) in enumerate(results):
+        assert exact, f"rank {r}: the agreeing all-to-all gave a wrong result"
+        assert kind.startswith("CollectiveMismatchError: ") and words in kind, (r, kind)
+        assert elapsed < CFG.timeout / 2, (r, elapsed)
+        if r < 2:  # its own check, or its partner's ABORT if that came first
+            assert untouched, f"rank {r} wrote output"
+        assert y == [3] * 7
+
+
 async def local_error_aborts_peers(ctx):
     async with await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG) as comm:
         # Rank 0 passes an invalid argument: it raises ConfigError at once; the others

@@ -102,6 +102,58 @@ def test_exact_ops(world):
     assert run_torch_ranks(exact_ops, world, timeout=150) == [True] * world
 
 
+def alltoall_single_pair_disagrees(rank, world, store, async_op):
+    """all_to_all_single with split sizes where rank 1 expects one row more from rank 0
+    than rank 0 sends it; then a correct one (the group still works)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from cgx_ucx.errors import CollectiveMismatchError
+
+    _join(rank, world, store)
+    sends = [rank + i + 1 for i in range(world)]
+    recvs = [p + rank + 1 for p in range(world)]
+    rows = torch.cat([torch.full((s, 3), 100 * rank + i) for i, s in enumerate(sends)])
+    bad = list(recvs)
+    if rank == 1:
+        bad[0] += 1
+    got = torch.full((sum(bad), 3), -1, dtype=rows.dtype)
+    start = time.monotonic()
+    try:
+        work = dist.all_to_all_single(
+            got, rows, output_split_sizes=bad, input_split_sizes=sends, async_op=async_op
+        )
+        if async_op:
+            work.wait()
+        kind = "no error"
+    except CollectiveMismatchError as exc:
+        kind = f"CollectiveMismatchError: {exc}"
+    elapsed = time.monotonic() - start
+    untouched = bool(got.eq(-1).all())
+    good = torch.empty(sum(recvs), 3, dtype=rows.dtype)
+    dist.all_to_all_single(good, rows, output_split_sizes=recvs, input_split_sizes=sends)
+    want = torch.cat([torch.full((s, 3), 100 * p + rank) for p, s in enumerate(recvs)])
+    return kind, elapsed, untouched, torch.equal(good, want)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("async_op", [False, True])
+def test_alltoall_single_split_sizes_that_differ_fail_both_ranks_of_the_pair(async_op):
+    """Rank 0 sends rank 1 two rows of 3 values, rank 1 expects three: both raise
+    CollectiveMismatchError (from the call, or from the Work's wait) naming the ranks and
+    counts, without waiting out the timeout; the third rank fails too, none writes output."""
+    results = run_torch_ranks(alltoall_single_pair_disagrees, 3, args=(async_op,), timeout=150)
+    for rank, (kind, elapsed, untouched, good) in enumerate(results):
+        assert kind.startswith("CollectiveMismatchError"), (rank, kind)
+        assert "rank 0 sends rank 1 6 values, rank 1 expects 9" in kind, (rank, kind)
+        assert elapsed < 30, (rank, elapsed)
+        if rank < 2:  # its own check, or its partner's ABORT if that came first
+            assert untouched, f"rank {rank} wrote output"
+        assert good, f"rank {rank}: the next all_to_all_single gave a wrong result"
+
+
 def compressed_reduce_scatter(rank, world, store):
     import torch
     import torch.distributed as dist

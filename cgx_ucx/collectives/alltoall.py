@@ -3,12 +3,35 @@
 Mixture-of-experts layers exchange tokens this way (torch's ``all_to_all_single`` with
 split sizes), so blocks may be uneven: rank r sends ``send_counts[i]`` values to rank i
 and receives ``recv_counts[i]`` from it. The counts of a pair must agree (r's
-``send_counts[i]`` is i's ``recv_counts[r]``): only the two ranks of a pair know them,
-so the signature exchanged by everyone carries the dtype only, and the size of each
-block is checked by its receiver against the sender's header, before any byte of it is
-written. A difference drains the block and fails the call with
-:class:`~cgx_ucx.errors.CollectiveMismatchError` on the receiver (the ABORT it sends
-fails the peers still in the call).
+``send_counts[i]`` is i's ``recv_counts[r]``), and only the two ranks of a pair know
+them, so each rank signs its call to each peer apart: the SIG frame rank r sends rank i
+is the call's signature (collective, dtype, algorithm; ``numel`` and ``digest`` 0 in the
+template that every data frame carries) with
+
+* ``numel``  = ``send_counts[i]``: the values r sends i,
+* ``digest`` = ``recv_counts[i]``: the values r expects from i.
+
+On i's SIG each rank checks both directions of the pair (i's ``numel`` against its own
+receive count from i, i's ``digest`` against its own send count to i) before any byte
+of data moves, so BOTH ranks of a pair that disagrees raise
+:class:`~cgx_ucx.errors.CollectiveMismatchError` naming the two ranks and the counts,
+in the same words on both ("rank p sends rank r 6 values, rank r expects 9"; a rank
+still waiting for a third rank's SIG when its partner's ABORT comes raises that ABORT,
+"rank p aborted collective #n: ...", which quotes them too). They then send no block
+at all; every other rank waits for a block from each of them and so fails as well,
+with CollectiveMismatchError from their ABORT (as soon as it arrives; the ABORT is best
+effort, as everywhere, the timeout bounds the wait otherwise): an all-to-all with a bad
+pair completes on no rank. A peer in another collective, or in an all-to-all of
+another dtype, is a mismatch as for every collective (its SIG stream drained first).
+
+The size of each block is still checked by its receiver against the sender's header
+before any byte of it is written (defence in depth: counts that agreed in the
+signatures cannot differ there unless a peer breaks the protocol); a difference drains
+the block and fails the call with CollectiveMismatchError on the receiver (the ABORT it
+sends fails the peers still in the call).
+
+All-to-all never goes through the node-local mailboxes (:mod:`.local`): it has no
+mailbox steps, so on one host too it runs over messages and the checks above hold.
 
 Blocks go straight from the caller's input to the peers and land in place in the
 caller's output, in pieces of at most :data:`~.plan.PIECE_BYTES` (one message each).
@@ -22,9 +45,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError, ProtocolError
-from ..transport.frames import Algo, Coll, Frame
+from ..transport.frames import Algo, Coll, Frame, Kind
 from .broadcast import byte_pieces
-from .call import PH_DATA, Call, gather_or_cancel, make_template
+from .call import PH_DATA, PH_SIG, Call, gather_or_cancel, make_template
 from .staging import as_flat, byte_view, synchronize
 
 __all__ = ["prepare_alltoall", "run_alltoall"]
@@ -70,9 +93,51 @@ def prepare_alltoall(
         raise ConfigError(
             f"rank {rank} sends itself {sc[rank]} values but receives {rc[rank]} from itself"
         )
-    # numel 0: the block sizes differ between ranks and are checked per block.
+    # numel and digest 0: the block sizes differ per pair; each SIG frame carries its
+    # pair's counts instead (see exchange_counts), and each data frame the template.
     template = make_template(Coll.ALLTOALL, flat, algorithm=Algo.DIRECT).with_(numel=0)
     return template, (flat, dst, sc, rc, _offsets(sc), _offsets(rc))
+
+
+def pair_problems(me: int, peer: int, sig: Frame, sc: list[int], rc: list[int]) -> list[str]:
+    """What ``peer``'s all-to-all SIG frame ``sig`` to rank ``me`` says that ``me`` (with
+    ``sc`` / ``rc``) disagrees with, one line per direction of the pair; [] when the pair
+    agrees. Both ranks of a pair word a difference the same way."""
+    out = []
+    if sig.numel != rc[peer]:
+        out.append(f"rank {peer} sends rank {me} {sig.numel} values, rank {me} expects {rc[peer]}")
+    if sig.digest != sc[peer]:
+        out.append(
+            f"rank {me} sends rank {peer} {sc[peer]} values, rank {peer} expects {sig.digest}"
+        )
+    return out
+
+
+async def exchange_counts(call: Call, sc: list[int], rc: list[int]) -> None:
+    """Phase 1 of an all-to-all: a SIG frame to each peer carrying the pair's counts
+    (``numel``: what this rank sends it, ``digest``: what this rank expects from it), and
+    each peer's checked against ours in both directions (module docstring). Raises
+    CollectiveMismatchError naming every difference; nothing else has moved then."""
+    assert call.template is not None
+    peers = list(call.transport.peers)
+    base = call.frame(PH_SIG, 0, 0, 1, Kind.SIG)
+    sends = [
+        call.transport.send_frame(p, base.with_(numel=sc[p], digest=rc[p]), None, call.extra)
+        for p in peers
+    ]
+    recvs = [call.recv_header(p, PH_SIG, 0, first=True) for p in peers]
+    frames = (await gather_or_cancel([*sends, *recvs]))[len(sends) :]
+    problems: list[str] = []
+    for p, frame in zip(peers, frames, strict=True):
+        # The template signs numel and digest 0: the rest of the signature must be ours.
+        if frame.with_(numel=0, digest=0).signature == call.template.signature:
+            problems += pair_problems(call.rank, p, frame, sc, rc)
+            continue
+        # Another collective, or another dtype: drain what the peer announced, as
+        # Call.check_first does for every collective.
+        await call.drain(p, frame, PH_SIG)
+        problems.append(call.mismatch(p, frame))
+    call.raise_mismatches(sorted(problems))
 
 
 async def run_alltoall(
@@ -80,7 +145,7 @@ async def run_alltoall(
 ) -> Any:
     """Exchange the blocks; returns the output."""
     flat, dst, sc, rc, so, ro = state
-    await call.exchange_signatures()
+    await exchange_counts(call, sc, rc)
     r = call.rank
     dst[ro[r] : ro[r] + rc[r]] = flat[so[r] : so[r] + sc[r]]
     synchronize(flat)

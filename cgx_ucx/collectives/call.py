@@ -3,8 +3,10 @@
 Every collective starts the same way (so ranks that disagree on *which* collective or
 algorithm still meet): each rank sends every peer a frame tagged (seq, phase 1, slot 0)
 carrying its signature. For SRA allreduce that frame heads the first scatter piece; for
-everything else it is a bare SIG frame. A receiver compares the signature with its own
-before it posts any receive into caller memory; a different signature is a
+everything else it is a bare SIG frame (all-to-all's differs per peer: it carries the
+pair's block sizes in ``numel`` and ``digest``, checked by :mod:`.alltoall`). A
+receiver compares the signature with its own before it posts any receive into caller
+memory; a different signature is a
 :class:`~cgx_ucx.errors.CollectiveMismatchError` on every rank (each rank sees every
 peer's signature), after draining what the peer announced, so no send is left hanging.
 """
@@ -108,7 +110,8 @@ def describe(frame: Frame) -> str:
     if frame.collective == Coll.BARRIER:
         return "barrier()"
     dt = dtype_from_code(frame.dtype)
-    # alltoall signs no numel (its blocks differ per rank)
+    # an alltoall's template signs no numel (its blocks differ per pair: the per-peer SIG
+    # frames carry them in numel and digest, and .alltoall words their differences)
     parts = [] if frame.collective == Coll.ALLTOALL else [f"numel={frame.numel}"]
     parts.append(f"dtype={dt if dt is not None else frame.dtype}")
     op = (

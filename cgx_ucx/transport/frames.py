@@ -43,8 +43,10 @@ Layout, little-endian, ``struct`` format ``<4sBBBBQIIHHIBBBBIQQQ16s``::
                           only, cleared before the signature is compared): see above
     36  I   count         pieces the sender sends in this (phase, destination) stream,
                           or the root of a broadcast, or the peer an ABORT names
-    40  Q   numel         values in the caller's buffer
-    48  Q   digest        Layout.digest
+    40  Q   numel         values in the caller's buffer (an all-to-all's SIG frame: the
+                          values the sender sends this receiver; its other frames: 0)
+    48  Q   digest        Layout.digest (an all-to-all's SIG frame: the values the sender
+                          expects from this receiver; its other frames: 0)
     56  Q   payload       bytes of the payload (a message that follows, or inline; 0: none)
     64  16s check         BLAKE2b-128 of bytes 0..63 (keyed with the pair key, see above)
 """
