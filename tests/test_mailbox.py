@@ -131,17 +131,29 @@ def sync_job(ctx):
             inline += fut.done()
             fut.result(10)
         ran_inline = inline > 0
+        # allreduce_now (the torch backend's): a call done on this thread comes back as
+        # its value with no future; the same values as allreduce's.
+        inline_now = 0
+        for _ in range(20):
+            y = values(ctx.rank, 1024)
+            value, fut = comm.allreduce_now(y, bits=32)
+            assert (value is y and fut is None) or (value is None and fut.result(10) is y)
+            inline_now += fut is None
         # Calls queued behind an engine call keep their order (and use the mailbox from
-        # the loop): a large allreduce in flight, then small ones.
+        # the loop): a large allreduce in flight, then small ones (allreduce_now's too:
+        # a future then).
         big = np.ones(4 << 20, np.float32) * (ctx.rank + 1)
         f_big = comm.allreduce(big)
         smalls = [np.full(256, float(i + ctx.rank), np.float32) for i in range(5)]
-        fs = [comm.allreduce(s) for s in smalls]
+        fs = [comm.allreduce(s) for s in smalls[:4]]
+        value, f_last = comm.allreduce_now(smalls[4])
+        assert value is None and f_last is not None
         f_bar = comm.barrier()
-        for f in [f_big, *fs, f_bar]:
+        for f in [f_big, *fs, f_last, f_bar]:
             f.result(30)
         threads_ok = _threads(comm)
-        return ran_inline, x, float(big[0]), [float(s[0]) for s in smalls], threads_ok
+        ok = ran_inline and inline_now > 0
+        return ok, x, float(big[0]), [float(s[0]) for s in smalls], threads_ok, y
     finally:
         comm.close()
 
@@ -169,6 +181,7 @@ def test_sync_face_runs_on_the_callers_thread_and_keeps_order():
     res = run_ranks(sync_job, 2, timeout=120)
     assert all(r[0] for r in res)
     assert res[0][1].tobytes() == res[1][1].tobytes()
+    assert res[0][5].tobytes() == res[1][5].tobytes() == res[0][1].tobytes()
     assert all(r[2] == 3.0 for r in res)
     assert all(r[3] == [2 * i + 1.0 for i in range(5)] for r in res)
     assert all(r[4] for r in res)

@@ -20,8 +20,8 @@ from cgx_ucx.layout import Layout  # noqa: E402
 from cgx_ucx.torch import BACKEND_NAME, CGXOptions, layer_layout, wire_bytes  # noqa: E402
 from cgx_ucx.torch._convert import as_array  # noqa: E402
 from cgx_ucx.torch.backend import _comm_config  # noqa: E402
-from cgx_ucx.torch.futures import to_torch_future  # noqa: E402
-from cgx_ucx.torch.ops import _local_reduce  # noqa: E402
+from cgx_ucx.torch.futures import Finished, to_torch_future  # noqa: E402
+from cgx_ucx.torch.ops import GroupView, _local_reduce, allreduce_into  # noqa: E402
 from cgx_ucx.torch.work import CGXWork  # noqa: E402
 
 
@@ -207,6 +207,54 @@ def test_work_of_a_finished_engine_call_hands_out_its_result_and_error() -> None
     work = CGXWork.from_future("allreduce", 10, cancelled, lambda v: [t])
     with pytest.raises(CGXError, match="shut down"):
         work.wait()
+
+
+@pytest.mark.timeout(30)
+def test_allreduce_into_hands_a_call_done_here_to_its_work_without_a_future() -> None:
+    """The engine's allreduce_now returns a call that completed on the calling thread as
+    its value (no future made, issue 10): the Work completes from it; a pending call
+    still comes as its future, and a communicator of the protocol (allreduce only)
+    still works."""
+
+    class Now:  # the engine's SyncCommunicator's shape
+        def __init__(self, pending=None):
+            self.pending = pending
+
+        def allreduce_now(self, x, op, **kwargs):
+            assert op == "sum" and kwargs["layout"].numel == x.size
+            if self.pending is not None:
+                return None, self.pending
+            x *= 2
+            return x, None
+
+    class Plain:  # the Communicator protocol: futures only
+        def allreduce(self, x, op, **kwargs):
+            x += 1
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(x)
+            return done
+
+    t = torch.ones(4)
+    cfg = CompressionConfig(bits=4, minimal_size=16)
+    src, _ = allreduce_into(GroupView(Now(), 0, 2), t, dist.ReduceOp.SUM, cfg)
+    assert type(src) is Finished and src.value is not None
+    work = CGXWork.from_future("allreduce", 10, src, lambda v: [t])
+    assert work.wait() and work.result() == [t] and t.tolist() == [2.0] * 4
+    assert work.get_future().value() == [t]
+
+    pending: concurrent.futures.Future = concurrent.futures.Future()
+    src, _ = allreduce_into(GroupView(Now(pending), 0, 2), t, dist.ReduceOp.SUM, cfg)
+    assert src is pending
+    work = CGXWork.from_future("allreduce", 10, src, lambda v: [t])
+    assert not work.is_completed()
+    pending.set_exception(PeerLostError("peer 1 lost", peer=1))
+    with pytest.raises(PeerLostError, match="peer 1"):
+        work.wait()
+
+    src, _ = allreduce_into(GroupView(Plain(), 0, 2), t, dist.ReduceOp.SUM, cfg)
+    assert isinstance(src, concurrent.futures.Future) and src.done()
+    assert CGXWork.from_future("allreduce", 10, src, lambda v: [t]).wait()
+    assert t.tolist() == [3.0] * 4
 
 
 # -- layouts and bytes ---------------------------------------------------------------------

@@ -31,7 +31,14 @@ import torch
 
 from ..errors import TransportError
 
-__all__ = ["TorchBridge", "complete_from", "completion_executor", "outcome", "to_torch_future"]
+__all__ = [
+    "Finished",
+    "TorchBridge",
+    "complete_from",
+    "completion_executor",
+    "outcome",
+    "to_torch_future",
+]
 
 T = TypeVar("T")
 
@@ -54,13 +61,24 @@ def completion_executor() -> concurrent.futures.ThreadPoolExecutor:
         return _executor
 
 
+class Finished:
+    """The result of a collective that completed on the calling thread (the engine's
+    ``allreduce_now``), standing in for its engine future: none was made."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
 def outcome(
-    src: concurrent.futures.Future[Any], finish: Callable[[Any], T]
+    src: concurrent.futures.Future[Any] | Finished, finish: Callable[[Any], T]
 ) -> tuple[T | None, BaseException | None]:
     """(``finish(result)``, None) of the finished ``src``, or (None, its error): a
     cancellation as a typed error, a failing ``finish`` as its own."""
     try:
-        result = src.result(0)  # one look at the future (it is done)
+        # One look at the future (it is done).
+        result = src.value if type(src) is Finished else src.result(0)
     except concurrent.futures.CancelledError:
         # The engine cancels the calls still running when their communicator closes
         # (destroy_process_group with async work pending): a typed error, not a bare

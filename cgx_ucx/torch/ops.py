@@ -29,6 +29,7 @@ from ..config import NO_COMPRESSION_BITS, CompressionConfig
 from ..errors import ConfigError
 from ..layout import Layout
 from ._convert import FLOAT_DTYPES, as_array, can_sum_dtype, is_float
+from .futures import Finished
 from .protocols import Communicator
 
 __all__ = [
@@ -77,12 +78,20 @@ class Pending:
     """A started collective: its name, the engine future, the step that finishes it."""
 
     what: str
-    future: concurrent.futures.Future[Any]
+    future: concurrent.futures.Future[Any] | Finished
     finish: Callable[[Any], Any]
 
 
 def _nothing() -> None:
     return None
+
+
+def _as_now(
+    allreduce: Callable[..., concurrent.futures.Future[Any]],
+) -> Callable[..., tuple[Any, concurrent.futures.Future[Any]]]:
+    """An ``allreduce`` of the Communicator protocol in the shape of the engine's
+    ``allreduce_now``: (None, its future)."""
+    return lambda *args, **kwargs: (None, allreduce(*args, **kwargs))
 
 
 def red_op(op: Any) -> Any:
@@ -200,10 +209,11 @@ def _one_layer(numel: int, cfg: CompressionConfig | None) -> Layout:
 
 def allreduce_into(
     g: GroupView, t: torch.Tensor, op: Any, cfg: CompressionConfig, root: int | None = None
-) -> tuple[concurrent.futures.Future[Any], Callable[[], None]]:
+) -> tuple[concurrent.futures.Future[Any] | Finished, Callable[[], None]]:
     """Start an allreduce of contiguous ``t`` in place.
 
-    Returns the engine future and the step to run once it is done (the local
+    Returns the engine future (:class:`~.futures.Finished` for a call that completed on
+    this thread) and the step to run once it is done (the local
     reduction of the allgather path; nothing for SUM/AVG). ``root``: a reduce's root,
     signed so that ranks disagreeing on it raise a mismatch.
     """
@@ -212,10 +222,13 @@ def allreduce_into(
     if name is not None and _engine_sums(t.dtype, name):
         arr = as_array(t)  # any shape (the engine flattens it); complex: 2 floats a value
         lay = _one_layer(arr.size, cfg if cfg.enabled and t.dtype in FLOAT_DTYPES else None)
-        cf = g.comm.allreduce(
+        # The engine's allreduce_now hands back a call that completed on this thread
+        # without making a future (a wrapper or test double may offer allreduce only).
+        start = getattr(g.comm, "allreduce_now", None) or _as_now(g.comm.allreduce)
+        value, cf = start(
             arr, name, layout=lay, stochastic=cfg.stochastic, seed=cfg.seed, root=root
         )
-        return cf, _nothing
+        return (cf if cf is not None else Finished(value)), _nothing
     kind = _local_kind(t, op)
     # Exact: allgather every rank's tensor, then reduce locally in rank order, so
     # every rank computes the same value.

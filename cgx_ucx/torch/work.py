@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CGXTimeoutError
-from .futures import TorchBridge, outcome
+from .futures import Finished, TorchBridge, outcome
 
 __all__ = ["CGXWork", "wait_seconds"]
 
@@ -73,17 +73,18 @@ class CGXWork(_TorchWork):
         cls,
         what: str,
         timeout: float,
-        source: concurrent.futures.Future[Any],
+        source: concurrent.futures.Future[Any] | Finished,
         finish: Callable[[Any], Any],
     ) -> CGXWork:
-        """The work of ``what`` completed by the engine future ``source``.
+        """The work of ``what`` completed by the engine future ``source`` (or its
+        :class:`~.futures.Finished` result).
 
         ``finish(result)`` runs on a completion thread, or on the thread blocked in
         :meth:`wait`, and returns the work's result (the output tensors); ``wait()``
         waits at most ``timeout`` seconds by default.
         """
         work = cls(what, timeout)
-        if source.done():
+        if type(source) is Finished or source.done():
             # Done already (a mailbox collective ran on the caller's thread): completed
             # here, with neither a bridge nor a torch future (issue 10: both cost ~10 us).
             work._value, exc = outcome(source, finish)
