@@ -51,7 +51,7 @@ class CGXWork(_TorchWork):
     output tensors, as gloo's.
     """
 
-    def __init__(self, what: str, timeout: float) -> None:
+    def __init__(self, what: str, timeout: float, *, latch: bool = True) -> None:
         super().__init__()
         self._what = what
         self._timeout = timeout
@@ -61,10 +61,13 @@ class CGXWork(_TorchWork):
         self._future: torch.futures.Future[Any] | None = None
         self._value: Any = None
         # Done-ness: a flag and a latch (a lock held until done; a waiter acquires and
-        # releases it). A threading.Event costs ~6 us to make, on every collective.
+        # releases it). A threading.Event costs ~6 us to make, on every collective; a
+        # work completed at construction (``latch=False``) needs neither wait nor latch.
         self._finished = False
-        self._latch = threading.Lock()
-        self._latch.acquire()
+        self._latch: threading.Lock | None = None
+        if latch:
+            self._latch = threading.Lock()
+            self._latch.acquire()
         self._exception: BaseException | None = None
         self._bridge: TorchBridge | None = None
 
@@ -83,8 +86,9 @@ class CGXWork(_TorchWork):
         :meth:`wait`, and returns the work's result (the output tensors); ``wait()``
         waits at most ``timeout`` seconds by default.
         """
-        work = cls(what, timeout)
-        if type(source) is Finished or source.done():
+        done = type(source) is Finished or source.done()
+        work = cls(what, timeout, latch=not done)
+        if done:
             # Done already (a mailbox collective ran on the caller's thread): completed
             # here, with neither a bridge nor a torch future (issue 10: both cost ~10 us).
             work._value, exc = outcome(source, finish)
@@ -106,15 +110,18 @@ class CGXWork(_TorchWork):
             return
         self._exception = exc
         self._finished = True
-        with contextlib.suppress(RuntimeError):  # two racing calls: released once
-            self._latch.release()
+        latch = self._latch
+        if latch is not None:
+            with contextlib.suppress(RuntimeError):  # two racing calls: released once
+                latch.release()
 
     def _wait_latch(self, seconds: float) -> bool:
-        if self._finished:
+        latch = self._latch
+        if self._finished or latch is None:  # no latch: done at construction
             return True
-        if not self._latch.acquire(timeout=seconds):
+        if not latch.acquire(timeout=seconds):
             return False
-        self._latch.release()  # the next waiter passes too
+        latch.release()  # the next waiter passes too
         return True
 
     def wait(self, timeout: Any = None) -> bool:
