@@ -195,3 +195,72 @@ def test_accumulation_repeats_frozen_and_replaced_layers() -> None:
         assert res["twice"] < 1e-6, res
         assert res["frozen_grad"] is None, res
         assert "'2.weight' has a gradient but is not synchronized" in res["replaced"], res
+
+
+def _unused_job(rank: int, world: int, store: Any) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from cgx_ucx.torch import GradientSync
+
+    gloo = join_cgx_with_gloo(rank, world, store)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: Any, use: str) -> Any:
+            y = self.a(x)
+            for name in use:
+                y = y + getattr(self, name)(x)
+            return y.square().sum()
+
+    torch.manual_seed(0)
+    base = Net()
+    ddp = DDP(Net(), process_group=gloo, find_unused_parameters=True)
+    ddp.module.load_state_dict(base.state_dict())
+    ours = Net()
+    ours.load_state_dict(base.state_dict())
+    sync = GradientSync(
+        ours, compression_params={"bits": 32}, bucket_cap_mb=0.001, find_unused_parameters=True
+    )
+    gen = torch.Generator().manual_seed(3 + rank)
+    # Per step, what each rank uses besides `a`: b on one rank only, then on none, then c
+    # on both; grads set to None, kept as zeros, None again.
+    steps = [("b" if rank == 0 else "", True), ("", False), ("c", True)]
+    for step, (use, to_none) in enumerate(steps):
+        x = torch.randn(4, 8, generator=gen)
+        for model in (ddp, ours):
+            model.zero_grad(set_to_none=to_none)
+        ddp(x, use).backward()
+        ours(x, use).backward()
+        sync.synchronize()
+        for (name, p), q in zip(ddp.module.named_parameters(), ours.parameters(), strict=True):
+            if p.grad is None:  # DDP leaves a parameter no rank used untouched
+                assert q.grad is None, (step, name)
+            else:
+                assert torch.equal(p.grad, q.grad), (step, name)
+        if step == 0:
+            assert ours.c.weight.grad is None and ours.b.weight.grad is not None
+    assert sync.bytes_per_step > 0
+
+    # Used only under no_sync() on rank 0, in no rank's last backward: its accumulated
+    # gradient counts as used, and every rank gets the same average.
+    ours.zero_grad(set_to_none=True)
+    with sync.no_sync():
+        ours(torch.randn(4, 8, generator=gen), "c" if rank == 0 else "").backward()
+    ours(torch.randn(4, 8, generator=gen), "").backward()
+    sync.synchronize()
+    got = ours.c.weight.grad
+    assert got is not None and got.abs().sum() > 0
+    both = [torch.empty_like(got) for _ in range(world)]
+    dist.all_gather(both, got, group=gloo)
+    assert torch.equal(both[0], both[1])
+
+
+@pytest.mark.timeout(120)
+def test_find_unused_parameters_leaves_unused_gradients_as_ddp_does() -> None:
+    run_torch_ranks(_unused_job, 2, timeout=110)

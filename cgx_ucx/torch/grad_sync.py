@@ -25,8 +25,13 @@ How (numbered as in PyTorch's comm hooks):
    backward (each contributes its ``param.grad`` as it is, zeros without one: so a
    parameter used on some ranks gets their average, as DDP's find_unused_parameters),
    waits for all with the communicator's timeout, and writes the averages into
-   ``param.grad`` (not for parameters frozen since construction). Unlike DDP, a
-   parameter no rank used gets a zero gradient rather than None.
+   ``param.grad`` (not for parameters frozen since construction). By default a
+   parameter no rank used gets a zero gradient. With ``find_unused_parameters=True``
+   (DDP's name and meaning) every rank also sums, after the buckets, one exact flag per
+   parameter (its hook ran since the last synchronize, under ``no_sync()`` too), and a
+   parameter no rank used keeps its ``.grad`` as it is (None stays None), as DDP does;
+   optimizers then skip it instead of stepping on a zero gradient (momentum, weight
+   decay). That costs one small uncompressed allreduce per step.
 4. With an adaptive ``policy``: each bucket shows the policy this rank's gradients
    before it is divided (``policy.observe``: work only on the steps before a decision
    and on logging steps). After the averages are written, every rank runs the
@@ -84,6 +89,7 @@ class _Bucket:
     layout: Layout
     indices: tuple[int, ...] = ()  # the policy's layer index of each parameter
     ready: set[int] = field(default_factory=set)  # slots whose gradient is in the buffer
+    used: set[int] = field(default_factory=set)  # slots whose hook ran since synchronize
     future: concurrent.futures.Future[Any] | None = None
 
     @property
@@ -100,7 +106,9 @@ class GradientSync:
     ``policy``, ``policy_params`` and ``log_every`` mean what they mean for
     :class:`~cgx_ucx.torch.hook.CGXState` (paper defaults: 4 bits, bucket 1024, policy
     ``"static"``); the policy's layers are the parameters given here, named after the
-    module's ``named_parameters()`` when a module is given. Stats: ``steps``,
+    module's ``named_parameters()`` when a module is given. ``find_unused_parameters``:
+    leave the gradient of a parameter no rank used as it is, as DDP does (module
+    docstring, step 3); every rank must pass the same. Stats: ``steps``,
     ``bytes_sent``, ``bytes_per_step``, and per layer :meth:`stats`.
     """
 
@@ -118,6 +126,7 @@ class GradientSync:
         policy: str = "static",
         policy_params: Mapping[str, Any] | None = None,
         log_every: int = DEFAULT_LOG_EVERY,
+        find_unused_parameters: bool = False,
     ) -> None:
         self._module = model_or_params if isinstance(model_or_params, torch.nn.Module) else None
         if isinstance(model_or_params, torch.nn.Module):
@@ -139,6 +148,11 @@ class GradientSync:
             )
         if timeout is not None:
             check_seconds(timeout)
+        if not isinstance(find_unused_parameters, bool):
+            raise ConfigError(
+                f"find_unused_parameters must be True or False, got {find_unused_parameters!r}"
+            )
+        self.find_unused_parameters = find_unused_parameters
         # -- tuned by the user
         self.compression_params = dict(compression_params or {})
         self.layer_min_size = layer_min_size
@@ -174,6 +188,9 @@ class GradientSync:
         for b in self._buckets:
             for i, p in enumerate(b.params):
                 self._slot[id(p)] = (b, i)
+        # Per parameter (bucket order): 1 where its hook ran since the last synchronize;
+        # summed over the ranks when find_unused_parameters is on.
+        self._used_flags = torch.zeros(len(self._slot), dtype=torch.float32)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         # -- stats
         self.steps = 0
@@ -252,9 +269,10 @@ class GradientSync:
 
     # -- hooks ---------------------------------------------------------------------------
     def _on_grad(self, param: torch.Tensor) -> None:
+        bucket, slot = self._slot[id(param)]
+        bucket.used.add(slot)  # under no_sync() too: its gradient accumulated
         if not self._enabled:
             return
-        bucket, slot = self._slot[id(param)]
         grad = param.grad
         if grad is None:  # nothing accumulated (cannot normally happen): count as zero
             return
@@ -331,7 +349,24 @@ class GradientSync:
                             view.copy_(grad.reshape(-1))
                         b.ready.add(slot)
             self._start_ready()
-            return [b.future for b in self._buckets if b.future is not None]
+            futures = [b.future for b in self._buckets if b.future is not None]
+            if self.find_unused_parameters:
+                # After every bucket, on every rank: the same order of collectives.
+                futures.append(self._start_used_flags())
+            return futures
+
+    def _start_used_flags(self) -> concurrent.futures.Future[Any]:
+        """Sum over the ranks, exactly, of each parameter's "used since the last
+        synchronize" flag (into :attr:`_used_flags`)."""
+        flags = self._used_flags
+        flags.zero_()
+        k = 0
+        for b in self._buckets:
+            for slot in b.used:
+                flags[k + slot] = 1.0
+            k += len(b.params)
+        self._step_bytes += wire_bytes(Layout.uniform(k), flags.element_size(), self.world_size)
+        return self.communicator.allreduce(as_array(flags), op="sum")
 
     def _check_model(self) -> None:
         """A module given at construction that now holds parameters with a gradient and
@@ -349,17 +384,23 @@ class GradientSync:
 
     def _finish(self) -> None:
         """Write the averages into ``param.grad`` and reset for the next step."""
+        used_by = self._used_flags.tolist() if self.find_unused_parameters else None
+        base = 0  # the bucket's first parameter in the flags
         for b in self._buckets:
-            for p, off in zip(b.params, b.offsets, strict=True):
+            for slot, (p, off) in enumerate(zip(b.params, b.offsets, strict=True)):
                 if not p.requires_grad:
                     continue  # frozen since construction: its gradient stays as it is
+                if used_by is not None and used_by[base + slot] == 0.0:
+                    continue  # no rank used it: its gradient stays as it is (DDP's rule)
                 avg = b.buffer[off : off + p.numel()].view_as(p)
                 if p.grad is None:
                     p.grad = avg.clone()
                 else:
                     p.grad.copy_(avg)
             b.ready.clear()
+            b.used.clear()
             b.future = None
+            base += len(b.params)
         self._next = 0
         self.steps += 1
         self.bytes_sent += self._step_bytes
@@ -395,6 +436,7 @@ class GradientSync:
     def _reset_after_error(self) -> None:
         for b in self._buckets:
             b.ready.clear()
+            b.used.clear()
             b.future = None
         self._next = 0
         self._step_bytes = 0
