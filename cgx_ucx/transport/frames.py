@@ -94,7 +94,9 @@ __all__ = [
 ]
 
 MAGIC = b"CGXF"
-VERSION = 2
+#: 3 (session 15): an all-to-all's SIG frames carry the pair's block sizes (numel, digest),
+#: so a rank of version 2 would misread them: frames of another version are refused.
+VERSION = 3
 _BODY = struct.Struct("<4sBBBBQIIHHIBBBBIQQQ")
 #: Bytes of the header check (BLAKE2b digest size).
 CHECK_NBYTES = 16
