@@ -255,6 +255,8 @@ _COMPRESSION_ENV = (ENV_BITS, ENV_BUCKET_SIZE, ENV_MINIMAL_SIZE, ENV_STOCHASTIC)
 #: The same names as ``os.environ`` keys its own bytes dict on POSIX (``os.fsencode``).
 _COMPRESSION_ENV_RAW = tuple(os.fsencode(name) for name in _COMPRESSION_ENV)
 _from_env: tuple[tuple[Any, ...], CompressionConfig] | None = None
+#: CPython's class of ``os.environ`` (whose ``_data`` is read below), None elsewhere.
+_ENVIRON_TYPE = getattr(os, "_Environ", None)
 
 
 def _compression_env_values() -> tuple[Any, ...]:
@@ -266,12 +268,13 @@ def _compression_env_values() -> tuple[Any, ...]:
     ``_data``, which every change through ``os.environ`` updates (a bare ``os.putenv``
     reaches neither): its values are read directly, 20 ns each, and compared as bytes.
     Elsewhere, or should that dict be missing, the public reads."""
-    data = getattr(os.environ, "_data", None)
-    if os.name == "posix" and type(data) is dict:
+    env = os.environ
+    data = getattr(env, "_data", None)
+    if os.name == "posix" and type(env) is _ENVIRON_TYPE and type(data) is dict:
         get = data.get
         b, s, m, st = _COMPRESSION_ENV_RAW
         return (get(b), get(s), get(m), get(st))
-    get = os.environ.get
+    get = env.get
     return (get(ENV_BITS), get(ENV_BUCKET_SIZE), get(ENV_MINIMAL_SIZE), get(ENV_STOCHASTIC))
 
 

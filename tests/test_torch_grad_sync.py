@@ -264,3 +264,55 @@ def _unused_job(rank: int, world: int, store: Any) -> None:
 @pytest.mark.timeout(120)
 def test_find_unused_parameters_leaves_unused_gradients_as_ddp_does() -> None:
     run_torch_ranks(_unused_job, 2, timeout=110)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("find_unused", [False, True])
+def test_a_synchronize_repeated_after_an_error_still_averages(find_unused: bool) -> None:
+    """A failed synchronize() (here a mismatch of its first bucket) repeated without a new
+    backward averages the gradients, with find_unused_parameters too (review, session 15:
+    its flags were cleared by the error, so the retry left every gradient un-averaged)."""
+    import concurrent.futures
+
+    import torch
+
+    from cgx_ucx.errors import CollectiveMismatchError
+    from cgx_ucx.torch import GradientSync
+
+    class Peer:
+        """World 2, in process: the peer adds zeros to the buckets (the average is half
+        this rank's gradient) and used the same parameters (the flags double)."""
+
+        world_size = 2
+        closed = False
+        fail_next = 0
+
+        def allreduce(self, x: Any, op: str = "sum", **kwargs: Any) -> Any:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            if self.fail_next:
+                self.fail_next -= 1
+                done.set_exception(CollectiveMismatchError("rank 1 called another collective"))
+                return done
+            if "layout" not in kwargs:  # the used flags
+                x *= 2
+            done.set_result(x)
+            return done
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    peer = Peer()
+    sync = GradientSync(
+        model,
+        communicator=peer,
+        compression_params={"bits": 32},
+        timeout=5,
+        find_unused_parameters=find_unused,
+    )
+    peer.fail_next = 1
+    model(torch.ones(2, 3)).sum().backward()
+    local = model.weight.grad.clone()
+    with pytest.raises(CollectiveMismatchError):
+        sync.synchronize()
+    sync.synchronize()
+    assert torch.equal(model.weight.grad, local / 2)
+    assert sync.find_unused_parameters is find_unused

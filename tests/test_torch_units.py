@@ -227,6 +227,11 @@ def test_allreduce_into_hands_a_call_done_here_to_its_work_without_a_future() ->
             x *= 2
             return x, None
 
+        def allreduce(self, x, op, **kwargs):
+            raise AssertionError("allreduce_now is this class's path")
+
+        allreduce.without_future = "allreduce_now"
+
     class Plain:  # the Communicator protocol: futures only
         def allreduce(self, x, op, **kwargs):
             x += 1
@@ -255,6 +260,21 @@ def test_allreduce_into_hands_a_call_done_here_to_its_work_without_a_future() ->
     assert isinstance(src, concurrent.futures.Future) and src.done()
     assert CGXWork.from_future("allreduce", 10, src, lambda v: [t]).wait()
     assert t.tolist() == [3.0] * 4
+
+    class Wrapper(Plain):  # its own allreduce; the rest passed through to the engine's
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    class Override(Now):  # a subclass that overrides allreduce only
+        allreduce = Plain.allreduce
+
+    for comm in (Wrapper(Now()), Override()):
+        src, _ = allreduce_into(GroupView(comm, 0, 2), t, dist.ReduceOp.SUM, cfg)
+        assert isinstance(src, concurrent.futures.Future), type(comm)  # its allreduce ran
+    assert t.tolist() == [5.0] * 4
 
 
 # -- layouts and bytes ---------------------------------------------------------------------

@@ -152,7 +152,7 @@ class GradientSync:
             raise ConfigError(
                 f"find_unused_parameters must be True or False, got {find_unused_parameters!r}"
             )
-        self.find_unused_parameters = find_unused_parameters
+        self._find_unused = find_unused_parameters
         # -- tuned by the user
         self.compression_params = dict(compression_params or {})
         self.layer_min_size = layer_min_size
@@ -208,6 +208,12 @@ class GradientSync:
         An adaptive policy uses its own, resolved at construction (``policy.config``).
         """
         return resolve_compression(PAPER_DEFAULTS, **self.compression_params)
+
+    @property
+    def find_unused_parameters(self) -> bool:
+        """Whether a parameter no rank used keeps its gradient (fixed at construction:
+        every rank must run the same collectives)."""
+        return self._find_unused
 
     @property
     def policy(self) -> Policy:
@@ -270,8 +276,9 @@ class GradientSync:
     # -- hooks ---------------------------------------------------------------------------
     def _on_grad(self, param: torch.Tensor) -> None:
         bucket, slot = self._slot[id(param)]
-        bucket.used.add(slot)  # under no_sync() too: its gradient accumulated
         if not self._enabled:
+            with self._lock:
+                bucket.used.add(slot)  # under no_sync() too: its gradient accumulated
             return
         grad = param.grad
         if grad is None:  # nothing accumulated (cannot normally happen): count as zero
@@ -287,6 +294,7 @@ class GradientSync:
             off = bucket.offsets[slot]
             bucket.buffer[off : off + grad.numel()].copy_(grad.reshape(-1))
             bucket.ready.add(slot)
+            bucket.used.add(slot)
             self._start_ready()
 
     def _start_ready(self) -> None:
@@ -350,7 +358,7 @@ class GradientSync:
                         b.ready.add(slot)
             self._start_ready()
             futures = [b.future for b in self._buckets if b.future is not None]
-            if self.find_unused_parameters:
+            if self._find_unused:
                 # After every bucket, on every rank: the same order of collectives.
                 futures.append(self._start_used_flags())
             return futures
@@ -384,7 +392,7 @@ class GradientSync:
 
     def _finish(self) -> None:
         """Write the averages into ``param.grad`` and reset for the next step."""
-        used_by = self._used_flags.tolist() if self.find_unused_parameters else None
+        used_by = self._used_flags.tolist() if self._find_unused else None
         base = 0  # the bucket's first parameter in the flags
         for b in self._buckets:
             for slot, (p, off) in enumerate(zip(b.params, b.offsets, strict=True)):
@@ -434,9 +442,11 @@ class GradientSync:
                 raise exc
 
     def _reset_after_error(self) -> None:
+        # ``used`` stays: a synchronize() repeated after the error averages what the
+        # parameters used since the last good one hold (cleared, every flag would read
+        # "no rank used it" and no average would be written).
         for b in self._buckets:
             b.ready.clear()
-            b.used.clear()
             b.future = None
         self._next = 0
         self._step_bytes = 0

@@ -86,6 +86,15 @@ def _nothing() -> None:
     return None
 
 
+@functools.cache
+def _without_future(cls: type) -> str | None:
+    """The method of ``cls`` that does what its own ``allreduce`` does without a future
+    for a call done on the calling thread (the engine's ``allreduce_now``), or None:
+    looked up on the class, so that a wrapper's ``__getattr__`` cannot hand out the
+    wrapped communicator's and skip the wrapper's ``allreduce``."""
+    return getattr(getattr(cls, "allreduce", None), "without_future", None)
+
+
 def _as_now(
     allreduce: Callable[..., concurrent.futures.Future[Any]],
 ) -> Callable[..., tuple[Any, concurrent.futures.Future[Any]]]:
@@ -223,8 +232,10 @@ def allreduce_into(
         arr = as_array(t)  # any shape (the engine flattens it); complex: 2 floats a value
         lay = _one_layer(arr.size, cfg if cfg.enabled and t.dtype in FLOAT_DTYPES else None)
         # The engine's allreduce_now hands back a call that completed on this thread
-        # without making a future (a wrapper or test double may offer allreduce only).
-        start = getattr(g.comm, "allreduce_now", None) or _as_now(g.comm.allreduce)
+        # without making a future; any other communicator (a wrapper, a subclass that
+        # overrides allreduce, a test double) is called through its allreduce.
+        method = _without_future(type(g.comm))
+        start = getattr(g.comm, method) if method else _as_now(g.comm.allreduce)
         value, cf = start(
             arr, name, layout=lay, stochastic=cfg.stochastic, seed=cfg.seed, root=root
         )

@@ -62,7 +62,8 @@ class CGXWork(_TorchWork):
         self._value: Any = None
         # Done-ness: a flag and a latch (a lock held until done; a waiter acquires and
         # releases it). A threading.Event costs ~6 us to make, on every collective; a
-        # work completed at construction (``latch=False``) needs neither wait nor latch.
+        # work completed at construction needs neither wait nor latch: ``latch=False``
+        # is for that only (from_future, which marks it done before handing it out).
         self._finished = False
         self._latch: threading.Lock | None = None
         if latch:
