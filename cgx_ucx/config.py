@@ -252,30 +252,7 @@ def spin_mode(env: Mapping[str, str] | None = None) -> str:
 
 
 _COMPRESSION_ENV = (ENV_BITS, ENV_BUCKET_SIZE, ENV_MINIMAL_SIZE, ENV_STOCHASTIC)
-#: The same names as ``os.environ`` keys its own bytes dict on POSIX (``os.fsencode``).
-_COMPRESSION_ENV_RAW = tuple(os.fsencode(name) for name in _COMPRESSION_ENV)
-_from_env: tuple[tuple[Any, ...], CompressionConfig] | None = None
-#: CPython's class of ``os.environ`` (whose ``_data`` is read below), None elsewhere.
-_ENVIRON_TYPE = getattr(os, "_Environ", None)
-
-
-def _compression_env_values() -> tuple[Any, ...]:
-    """The four CGX_COMPRESSION_* values as they are now (None where unset).
-
-    ``os.environ.get`` encodes its key and decodes the value on every read, ~0.7 us
-    each: 3 us of every all_reduce of a group that follows the environment (issue 10,
-    session 15). On POSIX, CPython's ``os.environ`` keeps its items in a dict of bytes,
-    ``_data``, which every change through ``os.environ`` updates (a bare ``os.putenv``
-    reaches neither): its values are read directly, 20 ns each, and compared as bytes.
-    Elsewhere, or should that dict be missing, the public reads."""
-    env = os.environ
-    data = getattr(env, "_data", None)
-    if os.name == "posix" and type(env) is _ENVIRON_TYPE and type(data) is dict:
-        get = data.get
-        b, s, m, st = _COMPRESSION_ENV_RAW
-        return (get(b), get(s), get(m), get(st))
-    get = env.get
-    return (get(ENV_BITS), get(ENV_BUCKET_SIZE), get(ENV_MINIMAL_SIZE), get(ENV_STOCHASTIC))
+_from_env: tuple[tuple[str | None, ...], CompressionConfig] | None = None
 
 
 def compression_from_env() -> CompressionConfig:
@@ -283,7 +260,8 @@ def compression_from_env() -> CompressionConfig:
     the four CGX_COMPRESSION_* variables changed: a backend asks on every call (the
     environment may change between calls), and resolving costs tens of microseconds."""
     global _from_env
-    key = _compression_env_values()
+    get = os.environ.get
+    key = (get(ENV_BITS), get(ENV_BUCKET_SIZE), get(ENV_MINIMAL_SIZE), get(ENV_STOCHASTIC))
     cached = _from_env
     if cached is not None and cached[0] == key:
         return cached[1]
