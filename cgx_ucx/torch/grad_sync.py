@@ -367,13 +367,15 @@ class GradientSync:
         """Sum over the ranks, exactly, of each parameter's "used since the last
         synchronize" flag (into :attr:`_used_flags`)."""
         flags = self._used_flags
-        flags.zero_()
-        k = 0
+        used, base = [], 0
         for b in self._buckets:
-            for slot in b.used:
-                flags[k + slot] = 1.0
-            k += len(b.params)
-        self._step_bytes += wire_bytes(Layout.uniform(k), flags.element_size(), self.world_size)
+            used += [base + slot for slot in b.used]
+            base += len(b.params)
+        flags.zero_()
+        flags[used] = 1.0  # one indexed write, not one per parameter
+        self._step_bytes += wire_bytes(
+            Layout.uniform(flags.numel()), flags.element_size(), self.world_size
+        )
         return self.communicator.allreduce(as_array(flags), op="sum")
 
     def _check_model(self) -> None:
