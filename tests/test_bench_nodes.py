@@ -114,3 +114,34 @@ def test_smallest_case_end_to_end(tmp_path: Path) -> None:
         assert max(rows[name]["lo_tx_per_node"]) < 0.05 * MIB, rows[name]
     assert (tmp_path / "nodes.png").stat().st_size > 0
     assert _namespaces() == before
+
+
+def test_merge_keeps_each_ranks_cpu_per_call() -> None:
+    """The rows carry each rank's median CPU time per call (the worker's ``cpu_s``): on a
+    host with fewer cores than ranks their sum over the cores bounds the call's time."""
+    from types import SimpleNamespace
+
+    from cgx_ucx.bench.nodes import _merge
+
+    link = SimpleNamespace(nodes=2, node_devices=["n0", "n1"], node_sizes=(2, 2))
+    records = [
+        {
+            "group_rank": rank // 2,
+            "local_rank": rank % 2,
+            "results": [
+                {
+                    "size": 1 << 20,
+                    "method": "cgx4-hierarchical",
+                    "times": [0.01, 0.02, 0.03],
+                    "cpu_s": [0.004 + rank / 1000, 0.005 + rank / 1000, 0.1],
+                    "iface_bytes": {"n0": [1000, 0], "n1": [1000, 0]},
+                }
+            ],
+        }
+        for rank in range(4)
+    ]
+    (row,) = _merge(records, link, 1024)
+    assert row["cpu_s_per_rank"] == pytest.approx([0.005, 0.006, 0.007, 0.008])
+    records[0]["results"][0].pop("cpu_s")  # a rank that did not count: no figure at all
+    (row,) = _merge(records, link, 1024)
+    assert row["cpu_s_per_rank"] == []

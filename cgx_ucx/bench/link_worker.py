@@ -241,6 +241,7 @@ async def _allreduce_job(args: argparse.Namespace) -> dict[str, Any]:
             ref: np.ndarray | None = None
             for method in methods:
                 times: list[float] = []
+                cpu: list[float] = []  # this process's CPU seconds (all threads) per call
                 wire: list[int] = []
                 err: dict[str, Any] = {}
                 iface0: dict[str, list[int]] | None = None
@@ -257,6 +258,7 @@ async def _allreduce_job(args: argparse.Namespace) -> dict[str, Any]:
                         iface0 = _iface_bytes()
                     await barrier()
                     tx0 = _tx_bytes()
+                    c0 = time.process_time()
                     t0 = time.perf_counter()
                     if method == "gloo":
                         await asyncio.wait_for(
@@ -275,6 +277,7 @@ async def _allreduce_job(args: argparse.Namespace) -> dict[str, Any]:
                             args.timeout,
                         )
                     dt = time.perf_counter() - t0
+                    dc = time.process_time() - c0
                     tx = _tx_bytes() - tx0
                     if it == 0:  # warm-up: check the numbers instead of timing
                         if method == "gloo":
@@ -283,13 +286,21 @@ async def _allreduce_job(args: argparse.Namespace) -> dict[str, Any]:
                             err = _error(buf, ref)
                     else:
                         times.append(dt)
+                        cpu.append(dc)
                         wire.append(tx)
                     it += 1
                 if iface0 is not None:
                     # agree() ended the loop: every rank has finished its last call.
                     err["iface_bytes"] = _iface_delta(_iface_bytes(), iface0)
                 record["results"].append(
-                    {"size": size, "method": method, "times": times, "tx_bytes": wire, **err}
+                    {
+                        "size": size,
+                        "method": method,
+                        "times": times,
+                        "cpu_s": cpu,
+                        "tx_bytes": wire,
+                        **err,
+                    }
                 )
                 _progress(rank, phase="allreduce", size=size, method=method, median=_median(times))
             del x0, buf, tbuf, ref

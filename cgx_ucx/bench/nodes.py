@@ -173,6 +173,10 @@ def _merge(records: list[dict[str, Any]], link: LinkEmulator, bucket: int) -> li
         row["bytes_vs_formula"] = max(
             m / f for m, f in zip(link_tx, row["formula_per_node"], strict=True)
         )
+        # Each rank's own CPU time per call (median): on a host with fewer cores than
+        # ranks, their sum over the cores is a floor under the call's time.
+        cpu_counted = all(p.get("cpu_s") for p in per_rank)  # all ranks, or no figure
+        row["cpu_s_per_rank"] = [median(p["cpu_s"]) for p in per_rank] if cpu_counted else []
         for key in ("max_abs_err", "rel_l2_err"):
             if key in first:
                 row[key] = max(p[key] for p in per_rank)
@@ -640,6 +644,15 @@ def main(argv: list[str] | None = None) -> int:
         "Ethernet headers and ACKs in); formula: the module doc's; lo: node-local TCP "
         "(shared memory is not seen); rel err: relative L2 error against gloo."
     )
+    for c in configs:
+        for r in c.get("allreduce", []):
+            if r.get("cpu_s_per_rank"):
+                cpu = r["cpu_s_per_rank"]
+                print(
+                    f"CPU per call, {c['link']['rate']} {size_label(r['size'])} {r['method']}: "
+                    + " ".join(f"{v * 1e3:.1f}" for v in cpu)
+                    + f" ms a rank, {sum(cpu) / cpus * 1e3:.1f} ms of the {cpus} cores"
+                )
     first = configs[0]
     print(
         f"topology seen by the ranks: {first.get('topology')}, auto plan: "
