@@ -23,6 +23,7 @@ from cgx_ucx.errors import (
     ProtocolError,
 )
 from cgx_ucx.layout import LayerSpec, Layout
+from cgx_ucx.transport.mesh import FAILED_CLOSE_WAIT_S
 
 CFG = CommConfig(timeout=20.0, connect_timeout=30.0)
 
@@ -212,17 +213,29 @@ def test_alltoall_counts_that_differ_fail_both_ranks_of_the_pair(liar):
         assert y == [3] * 7
 
 
-async def local_error_aborts_peers(ctx):
+async def local_error_aborts_peers(ctx, late):
     async with await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG) as comm:
         # Rank 0 passes an invalid argument: it raises ConfigError at once; the others
         # must not wait out the timeout.
         x = np.ones(100, np.int32 if ctx.rank == 0 else np.float32)
+        if late and ctx.rank == 1:
+            # A starved process: its loop does not run while rank 0 aborts, closes and
+            # drops its endpoints (after FAILED_CLOSE_WAIT_S), then runs a few turns
+            # (the connection's reset is seen) before the call.
+            time.sleep(FAILED_CLOSE_WAIT_S + 0.5)
+            for _ in range(20):
+                await asyncio.sleep(0)
         return await outcome(comm.allreduce(x, bits=4))
 
 
 @pytest.mark.timeout(60)
-def test_local_argument_error_aborts_the_others():
-    results = run_ranks(local_error_aborts_peers, 3, timeout=50)
+@pytest.mark.parametrize("late", [False, True])
+def test_local_argument_error_aborts_the_others(late):
+    """The others raise CollectiveMismatchError (the cause), not the timeout; also a rank
+    that came late, when rank 0 had closed and gone: its ABORT was lost with the
+    connection and rank 1 raised PeerLostError "rank 0 is gone (connection reset)"
+    (CI, session 16); the mailbox's abort record says why."""
+    results = run_ranks(local_error_aborts_peers, 3, args=(late,), timeout=50)
     assert results[0][0] == "ConfigError"
     for kind, elapsed in results[1:]:
         assert kind == "CollectiveMismatchError" and elapsed < CFG.timeout / 2

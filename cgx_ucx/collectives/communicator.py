@@ -57,6 +57,7 @@ from .local import (
     LocalCall,
     LocalOp,
     Round,
+    recorded_abort,
     signature_words,
     wait_async,
     wait_blocking,
@@ -314,7 +315,10 @@ class Communicator:
             else:
                 result = await self._run_local_async(call, op)
         except BaseException as exc:
-            await self._after_failure(call, exc)
+            told = self._explained(seq, exc)
+            await self._after_failure(call, told)
+            if told is not exc:
+                raise told from exc
             raise
         finally:
             del self._calls[seq]
@@ -501,7 +505,9 @@ class Communicator:
             value = op.finish(r)
         except BaseException as exc:
             r.end()
-            self._local_failed(r, exc)
+            told = self._local_failed(r, exc)
+            if told is not exc:
+                raise told from exc
             raise
         r.end()
         self._local_done(r)
@@ -514,7 +520,9 @@ class Communicator:
             async with self._local_lock:
                 value = await self._local_steps(r, op, posted)
         except BaseException as exc:
-            self._local_failed(r, exc)
+            told = self._local_failed(r, exc)
+            if told is not exc:
+                raise told from exc
             raise
         self._local_done(r)
         return value if result is FROM_OP else result
@@ -532,15 +540,31 @@ class Communicator:
         stats.bytes_sent += r.sent * (self.world_size - 1)
         stats.bytes_received += r.received
 
-    def _local_failed(self, r: Round, exc: BaseException) -> None:
+    def _local_failed(self, r: Round, exc: BaseException) -> BaseException:
         """After a failed mailbox collective of :meth:`run_local`: the peers are told (in
-        the mailbox now, over the network from the loop)."""
+        the mailbox now, over the network from the loop). Returns the error to raise
+        (:meth:`_explained`)."""
         self._calls.pop(r.seq, None)
         self._mesh.activity.finished(r.seq)
+        exc = self._explained(r.seq, exc)
         record = self._abort_record(r.seq, exc)
         if record is not None and not self._mesh.closed and not self._loop.is_closed():
             with contextlib.suppress(RuntimeError):
                 asyncio.run_coroutine_threadsafe(self._broadcast_abort(r.seq, record), self._loop)
+        return exc
+
+    def _explained(self, seq: int, exc: BaseException) -> BaseException:
+        """``exc``, or, for a lost peer where a peer recorded in its mailbox that it gave
+        up collective ``seq``, what it recorded. A rank that aborted a call and closed
+        waits only FAILED_CLOSE_WAIT_S for the peers' BYE before it drops its endpoints;
+        a peer whose loop did not run meanwhile (a starved process) lost the ABORT still
+        unread in its socket with the connection and blamed the closed rank instead of
+        the cause (CI, session 16). The mailbox keeps the record: it stays mapped here
+        after its owner is gone."""
+        box = self._mailbox
+        if box is None or not isinstance(exc, PeerLostError):
+            return exc
+        return recorded_abort(box, seq, self.rank) or exc
 
     def _abort_record(self, seq: int, exc: BaseException) -> tuple[int, int, str] | None:
         """What the peers are told of this rank's failure of collective ``seq``: (code,

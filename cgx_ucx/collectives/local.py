@@ -116,6 +116,16 @@ def _frame_of(template: Frame, words: np.ndarray) -> Frame:
     return template.with_(**{n: int(w) for n, w in zip(names, words, strict=True)})
 
 
+def recorded_abort(box: Mailbox, seq: int, rank: int) -> CGXError | None:
+    """The first peer's abort record of collective ``seq`` in its mailbox, as the error
+    it means on ``rank``; None where no peer recorded one."""
+    for p in box.peer_words:
+        abort = box.aborted(p, seq)
+        if abort is not None:
+            return abort_error(p, seq, *abort, rank)
+    return None
+
+
 class Round:
     """One mailbox collective on this rank: post, wait for every peer's post, read.
 
