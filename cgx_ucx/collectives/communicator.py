@@ -556,11 +556,11 @@ class Communicator:
     def _explained(self, seq: int, exc: BaseException) -> BaseException:
         """``exc``, or, for a lost peer where a peer recorded in its mailbox that it gave
         up collective ``seq``, what it recorded. A rank that aborted a call and closed
-        waits only FAILED_CLOSE_WAIT_S for the peers' BYE before it drops its endpoints;
-        a peer whose loop did not run meanwhile (a starved process) lost the ABORT still
-        unread in its socket with the connection and blamed the closed rank instead of
-        the cause (CI, session 16). The mailbox keeps the record: it stays mapped here
-        after its owner is gone."""
+        drops its endpoints once every peer answered the ABORT or said BYE, or after
+        CLOSE_WAIT_S; a peer whose loop did not run that long (a starved process) loses
+        the ABORT still unread in its socket with the connection, and blamed the closed
+        rank instead of the cause (CI, session 16, when the bound was one second). The
+        mailbox keeps the record: it stays mapped here after its owner is gone."""
         box = self._mailbox
         if box is None or not isinstance(exc, PeerLostError):
             return exc

@@ -126,6 +126,8 @@ class TransportStats:
 class _Peer:
     __slots__ = (
         "aborted",
+        "answers",
+        "asks",
         "bye",
         "bye_seq",
         "ctrl",
@@ -151,6 +153,10 @@ class _Peer:
         #: What the peer's last ABORT said ("collective #n: reason"): a peer that gives
         #: up a call we had already finished, then closes, is reported with its reason.
         self.aborted = ""
+        #: STATUS_REQUESTs sent to the peer and its STATUS answers: it answers in order,
+        #: so answer n says that it read every control frame sent before request n.
+        self.asks = 0
+        self.answers = 0
 
 
 def _copy_error(exc: CGXError) -> CGXError:
@@ -201,7 +207,11 @@ class Mesh(MeshSetup):
         self._closing = False
         self._closed = False
         self._bye_fut: asyncio.Future | None = None
+        #: close(): resolved once every peer read our ABORTs (``_read_marks``), see there.
+        self._read_fut: asyncio.Future | None = None
+        self._read_marks: dict[int, int] = {}
         self._aborts = 0  # ABORT frames sent or received: a collective failed
+        self._told = False  # this rank sent an ABORT
         self._tasks: set[asyncio.Task] = set()  # accepts and status answers in flight
         self._setup_tasks: set[asyncio.Future] = set()  # dials, data hellos (see _setup)
         #: Ranks on this machine (same kernel), this one included.
@@ -343,6 +353,8 @@ class Mesh(MeshSetup):
             head, what = self.activity.frame(self.job, self.rank)
             self._spawn(self.send_control(p.rank, head, what))
         elif frame.kind == Kind.STATUS:
+            p.answers += 1
+            self._bye_seen()
             if p.status is not None and not p.status.done():
                 p.status.set_result(PeerStatus.from_frame(frame, reason))
         else:
@@ -371,11 +383,18 @@ class Mesh(MeshSetup):
         task.add_done_callback(self._tasks.discard)
 
     def _bye_seen(self) -> None:
+        """Resolve what :meth:`close` waits for: every peer said BYE or is lost
+        (``_bye_fut``), or answered the STATUS_REQUEST sent after our ABORTs
+        (``_read_fut``)."""
+        peers = self.peers.values()
         fut = self._bye_fut
+        if fut is not None and not fut.done() and all(q.bye or q.lost is not None for q in peers):
+            fut.set_result(None)
+        fut, marks = self._read_fut, self._read_marks
         if (
             fut is not None
             and not fut.done()
-            and all(q.bye or q.lost is not None for q in self.peers.values())
+            and all(q.bye or q.lost is not None or q.answers >= marks[q.rank] for q in peers)
         ):
             fut.set_result(None)
 
@@ -416,14 +435,21 @@ class Mesh(MeshSetup):
         if p.status is None or p.status.done():
             assert self._loop is not None
             p.status = self._loop.create_future()
-            req = Frame(kind=Kind.STATUS_REQUEST, job=self.job, comm=self.comm_id, src=self.rank)
-            await self.send_control(rank, req)
+            await self._ask(rank)
         with contextlib.suppress(TimeoutError):
             got = await asyncio.wait_for(asyncio.shield(p.status), timeout)
             if got is not None:
                 got.rank = rank
                 return got
         return PeerStatus(rank, gone=p.lost is not None)
+
+    async def _ask(self, rank: int) -> int:
+        """Send ``rank`` a STATUS_REQUEST; returns the number of the answer to it."""
+        p = self.peers[rank]
+        p.asks += 1
+        req = Frame(kind=Kind.STATUS_REQUEST, job=self.job, comm=self.comm_id, src=self.rank)
+        await self.send_control(rank, req)
+        return p.asks
 
     async def _timed_out(self, rank: int, what: str) -> CGXError:
         status = await self.peer_status(rank, min(STATUS_WAIT_S, self.config.timeout))
@@ -820,6 +846,7 @@ class Mesh(MeshSetup):
 
     async def broadcast_abort(self, seq: int, code: AbortCode, peer: int, reason: str) -> None:
         self._aborts += 1
+        self._told = True
         frame = Frame(
             kind=Kind.ABORT, job=self.job, seq=seq, src=self.rank, phase=int(code), count=peer
         )
@@ -836,14 +863,28 @@ class Mesh(MeshSetup):
         # seq: the last collective this rank started (peers fail their later ones at once).
         bye = Frame(kind=Kind.BYE, job=self.job, src=self.rank, seq=self.activity.started_seq)
         await asyncio.gather(*(self.send_control(r, bye) for r in live))
+        if self._told:
+            # A peer told of an abort may not have read it yet: a starved process (its
+            # loop blocked, by a forward pass say) that reads it after our endpoints
+            # went loses it with the connection, and blamed this rank ("gone
+            # (connection reset)") instead of the cause (CI, session 16). Its answer to
+            # a STATUS_REQUEST sent now (in order, after the ABORT) says it read it.
+            marks = await asyncio.gather(*(self._ask(r) for r in live))
+            self._read_marks = {r: 0 for r in self.peers} | dict(zip(live, marks, strict=True))
+            self._read_fut = loop.create_future()
         self._bye_seen()
         failed = self.failure is not None or self._aborts > 0
-        wait = FAILED_CLOSE_WAIT_S if failed else CLOSE_WAIT_S
+        wait = min(FAILED_CLOSE_WAIT_S if failed else CLOSE_WAIT_S, self.config.timeout)
+        start = loop.time()
         if live:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    asyncio.shield(self._bye_fut), min(wait, self.config.timeout)
-                )
+                await asyncio.wait_for(asyncio.shield(self._bye_fut), wait)
+        if self._read_fut is not None:
+            # Up to CLOSE_WAIT_S in all for peers that neither said BYE nor answered
+            # (lost peers count as done: a failed mesh waits for live peers only).
+            left = min(CLOSE_WAIT_S, self.config.timeout) - (loop.time() - start)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._read_fut), max(0.0, left))
         await self.abort()
 
     async def abort(self) -> None:
