@@ -212,6 +212,9 @@ class Mesh(MeshSetup):
         self._read_marks: dict[int, int] = {}
         self._aborts = 0  # ABORT frames sent or received: a collective failed
         self._told = False  # this rank sent an ABORT
+        #: A failure other than a clean close of a peer (see :meth:`fail`): a lost or
+        #: silent peer, a forged frame. close() then keeps its teardown short.
+        self._troubled = False
         self._tasks: set[asyncio.Task] = set()  # accepts and status answers in flight
         self._setup_tasks: set[asyncio.Future] = set()  # dials, data hellos (see _setup)
         #: Ranks on this machine (same kernel), this one included.
@@ -294,6 +297,8 @@ class Mesh(MeshSetup):
         failure no peer is proven guilty of (a forged frame, a late but live peer).
         ``quiet``: log at INFO (a peer that said BYE: a clean end of the job, which the
         next collective, if any, still reports as an error)."""
+        if not quiet:
+            self._troubled = True
         if self._failed is not None and not self._failed.done():
             (log.info if quiet else log.warning)("rank %d: communicator failed: %s", self.rank, exc)
             self._failed.set_exception(exc)
@@ -863,7 +868,7 @@ class Mesh(MeshSetup):
         # seq: the last collective this rank started (peers fail their later ones at once).
         bye = Frame(kind=Kind.BYE, job=self.job, src=self.rank, seq=self.activity.started_seq)
         await asyncio.gather(*(self.send_control(r, bye) for r in live))
-        if self._told:
+        if self._told and not self._troubled:
             # A peer told of an abort may not have read it yet: a starved process (its
             # loop blocked, by a forward pass say) that reads it after our endpoints
             # went loses it with the connection, and blamed this rank ("gone
@@ -881,7 +886,8 @@ class Mesh(MeshSetup):
                 await asyncio.wait_for(asyncio.shield(self._bye_fut), wait)
         if self._read_fut is not None:
             # Up to CLOSE_WAIT_S in all for peers that neither said BYE nor answered
-            # (lost peers count as done: a failed mesh waits for live peers only).
+            # (lost peers count as done). Not after a failure of the mesh itself (a lost,
+            # silent or forged peer, issue 13): its teardown stays FAILED_CLOSE_WAIT_S.
             left = min(CLOSE_WAIT_S, self.config.timeout) - (loop.time() - start)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._read_fut), max(0.0, left))
