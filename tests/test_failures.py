@@ -192,9 +192,8 @@ def alltoall_pair_disagrees(ctx, liar):
 
 
 @pytest.mark.timeout(120)
-# The receiver's side is covered in process (test_collectives_unit); spawned, it runs with
-# -m slow (the default suite stays within its 15 minutes on 2 cores).
-@pytest.mark.parametrize("liar", ["sender", pytest.param("receiver", marks=pytest.mark.slow)])
+# The receiver's side is covered in process too (test_collectives_unit).
+@pytest.mark.parametrize("liar", ["sender", "receiver"])
 def test_alltoall_counts_that_differ_fail_both_ranks_of_the_pair(liar):
     """Both ranks of a pair whose counts differ raise CollectiveMismatchError naming the
     two ranks and counts, from the signatures (not the timeout), writing nothing; before,

@@ -139,9 +139,9 @@ def alltoall_single_pair_disagrees(rank, world, store, async_op):
 
 
 @pytest.mark.timeout(180)
-# async_op=True (the error from work.wait()) runs with -m slow: the default suite stays
-# within its 15 minutes on 2 cores, and a Work's wait() raising is tested in test_torch_units.
-@pytest.mark.parametrize("async_op", [False, pytest.param(True, marks=pytest.mark.slow)])
+# async_op=True: the error from work.wait() (a Work's wait() raising is tested in
+# test_torch_units as well).
+@pytest.mark.parametrize("async_op", [False, True])
 def test_alltoall_single_split_sizes_that_differ_fail_both_ranks_of_the_pair(async_op):
     """Rank 0 sends rank 1 two rows of 3 values, rank 1 expects three: both raise
     CollectiveMismatchError (from the call, or from the Work's wait) naming the ranks and
