@@ -212,16 +212,17 @@ def test_alltoall_counts_that_differ_fail_both_ranks_of_the_pair(liar):
         assert y == [3] * 7
 
 
-async def local_error_aborts_peers(ctx, late):
-    async with await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG) as comm:
+async def local_error_aborts_peers(ctx, late, timeout):
+    # late > 0: rank 1 is a starved process for that long (its loop does not run while
+    # rank 0 aborts and closes), then runs a few turns (a reset connection is seen) before
+    # the call. ``timeout`` also bounds rank 0's close wait.
+    cfg = CommConfig(timeout=timeout, connect_timeout=30.0)
+    async with await connect(ctx.store, ctx.rank, ctx.world_size, config=cfg) as comm:
         # Rank 0 passes an invalid argument: it raises ConfigError at once; the others
         # must not wait out the timeout.
         x = np.ones(100, np.int32 if ctx.rank == 0 else np.float32)
         if late and ctx.rank == 1:
-            # A starved process: its loop does not run while rank 0 aborts, closes and
-            # drops its endpoints (after FAILED_CLOSE_WAIT_S), then runs a few turns
-            # (the connection's reset is seen) before the call.
-            time.sleep(FAILED_CLOSE_WAIT_S + 0.5)
+            time.sleep(late)
             for _ in range(20):
                 await asyncio.sleep(0)
         return await outcome(comm.allreduce(x, bits=4))
@@ -229,17 +230,24 @@ async def local_error_aborts_peers(ctx, late):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
-    "late, shm", [(False, "1"), (True, "1"), pytest.param(True, "0", id="True-network")]
+    "late, timeout, shm",
+    [
+        (0.0, CFG.timeout, "1"),
+        # Longer than rank 0's old one-second close wait; its close now waits for rank 1.
+        pytest.param(FAILED_CLOSE_WAIT_S + 0.5, CFG.timeout, "0", id="starved-network"),
+        # Longer than even that wait (min(CLOSE_WAIT_S, timeout)): one host's mailbox.
+        pytest.param(3.0, 2.0, "1", id="starved-past-close"),
+    ],
 )
-def test_local_argument_error_aborts_the_others(late, shm):
+def test_local_argument_error_aborts_the_others(late, timeout, shm):
     """The others raise CollectiveMismatchError (the cause), not the timeout; also a rank
     that came late: rank 0 dropped its endpoints one second after its close began, the
     ABORT still unread in rank 1's socket went with the connection, and rank 1 raised
     PeerLostError "rank 0 is gone (connection reset)" (CI, session 16). Now rank 0's
     close waits (bounded) for every peer to answer its ABORT or say BYE, and on one host
-    the mailbox's abort record says why as well."""
+    the mailbox's abort record says why when the peer came later than that."""
     env = {"CGX_UCX_INTRA_SHM": shm}
-    results = run_ranks(local_error_aborts_peers, 3, args=(late,), env=env, timeout=50)
+    results = run_ranks(local_error_aborts_peers, 3, args=(late, timeout), env=env, timeout=50)
     assert results[0][0] == "ConfigError"
     for kind, elapsed in results[1:]:
         assert kind == "CollectiveMismatchError" and elapsed < CFG.timeout / 2
