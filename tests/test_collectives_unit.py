@@ -761,3 +761,15 @@ def test_alltoall_against_another_call_fails_every_rank(world, case):
         want = "float32" if case == "dtype" else "allgather"
         assert want in caught, caught
         np.testing.assert_array_equal(y, sum(int_data(q, 10, np.int32) for q in range(world)))
+
+
+def test_timeout_label_of_an_alltoall_names_no_numel():
+    """A peer's timeout message names the call it waits in; an alltoall's template signs
+    no numel (its blocks differ per peer), so "numel 0" would be a false statement."""
+    from cgx_ucx.collectives.call import make_template, what
+    from cgx_ucx.transport.frames import Coll
+
+    x = np.zeros(12, np.float32)
+    a2a = make_template(Coll.ALLTOALL, x, algorithm=Algo.DIRECT).with_(numel=0)
+    assert what("alltoall", a2a) == "alltoall"
+    assert what("allreduce", make_template(Coll.ALLREDUCE, x)) == "allreduce, numel 12"

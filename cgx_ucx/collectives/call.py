@@ -141,8 +141,9 @@ def describe(frame: Frame) -> str:
 
 
 def what(name: str, template: Frame) -> str:
-    """A collective as a peer's timeout message names it: "allreduce, numel 4096, bits 4"."""
-    text = f"{name}, numel {template.numel}"
+    """A collective as a peer's timeout message names it: "allreduce, numel 4096, bits 4"
+    (an alltoall's template carries no numel: its blocks differ per peer)."""
+    text = name if template.collective == Coll.ALLTOALL else f"{name}, numel {template.numel}"
     if template.bits and template.bits != 32:
         text += ", bits mixed" if template.bits == MIXED_BITS else f", bits {template.bits}"
     return text
