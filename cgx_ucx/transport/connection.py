@@ -167,6 +167,7 @@ class MeshSetup:
         peers = {}
         for r in self.peers:
             peers[r] = await rdzv.peer(r)
+            self.peers[r].host = peers[r].host
             self._published.add(r)
         # Ranks on this kernel (codec threads share its cores), not the topology's node.
         self.local_ranks = sorted(

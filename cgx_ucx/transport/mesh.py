@@ -52,6 +52,7 @@ from ..errors import (
     TransportError,
 )
 from . import handshake as _hs
+from . import stuck as _stuck
 from . import ucx as _ucx
 from .connection import MAX_WORLD_SIZE, MeshSetup
 from .frames import (
@@ -133,6 +134,7 @@ class _Peer:
         "ctrl",
         "ctrl_task",
         "data",
+        "host",
         "keys",
         "lost",
         "rank",
@@ -143,6 +145,8 @@ class _Peer:
         self.rank = rank
         self.ctrl: Any = None  # error-handling endpoint (listener / create_endpoint)
         self.data: Any = None  # worker-address endpoint
+        #: The address it published (its listener's host): where its connections go.
+        self.host = ""
         self.keys: PairKeys | None = None
         self.ctrl_task: asyncio.Task | None = None
         self.lost: CGXError | None = None
@@ -910,6 +914,7 @@ class Mesh(MeshSetup):
         for t in [*ctrl, *self._tasks, *self._setup_tasks]:
             with contextlib.suppress(BaseException):
                 await t
+        self._release_stuck()
         for p in self.peers.values():
             for ep in (p.data, p.ctrl):
                 if ep is not None:
@@ -930,6 +935,20 @@ class Mesh(MeshSetup):
         if self._ucxx is not None:
             self._ucxx = None
             _ucx.release(reset=settled)
+
+    def _release_stuck(self) -> None:
+        """Before the endpoints go, after a failure of the mesh itself (a lost, silent
+        or forged peer): shut the write side of our TCP connections to the peers that
+        hold data nobody acknowledges (:mod:`.stuck`; a cut link leaves the peer behind
+        it silent and, on the far side, every peer). UCX destroys a TCP endpoint with a
+        blocking send, which on such a connection waited for the kernel to give the
+        connection up (minutes), at interpreter exit. A live peer acknowledges, so its
+        connections are left alone. Not with data endpoints without error handling
+        (``data_error_handling=False``): there a failed send is fatal to the process."""
+        hosts = {p.host for p in self.peers.values() if p.host}
+        if self._troubled and hosts and self.data_error_handling:
+            with contextlib.suppress(Exception):  # teardown goes on whatever happens here
+                _stuck.release_stuck(hosts)
 
     async def _settle_listener(self, park: bool = False) -> bool:
         """Close the listener once no connection handshake is in flight inside ucxx

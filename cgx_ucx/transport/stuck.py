@@ -1,0 +1,167 @@
+"""Release UCX's TCP connections to peers that stopped reading, so teardown cannot hang.
+
+Why: UCX destroys a TCP endpoint by sending a 9-byte CONN_FIN event with a blocking send
+(``uct_tcp_ep_destroy`` -> ``uct_tcp_cm_send_event`` -> ``ucs_socket_do_io_b``, which
+retries while the kernel answers EAGAIN). On a connection whose peer stopped reading
+(a cut link, a host gone silent, a stopped process) the send queue is full of unacked
+data, so that send retries until the kernel gives the connection up: ~15 minutes of TCP
+retransmissions (``net.ipv4.tcp_retries2``), forever behind a zero window. It runs in
+whatever progresses the worker next, typically ucxx's endpoint finalizers and the
+listener's destructor at interpreter exit: after a link cut every rank raised its typed
+error within seconds, closed, and then about half of the processes did not exit
+(session 17: ``py-spy``/``gdb`` of the hung ranks).
+
+:func:`release_stuck` shuts the write side of exactly those sockets: TCP connections of
+this process to a given peer address with data queued that the kernel already tried to
+deliver in vain and no acknowledgement for a while (:func:`_is_stuck`). The next send on
+them fails at once (EPIPE; UCX sends with MSG_NOSIGNAL), so UCX's destroy goes on. Data
+already queued still leaves if it can (the FIN follows it), and nothing is closed under
+UCX's feet (the descriptor stays UCX's). A connection that is still acknowledged, one
+whose peer only stopped reading (it answers the kernel's probes), or one to another
+address is never touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import os
+import socket
+import struct
+import sys
+from collections.abc import Iterable
+
+__all__ = ["QUIET_S", "release_stuck", "stuck_sockets"]
+
+log = logging.getLogger("cgx_ucx.transport")
+
+#: A connection counts as stuck once it has had data in flight and no acknowledgement
+#: for this long: a live peer acknowledges within a round trip.
+QUIET_S = 1.0
+
+# struct tcp_info (linux/tcp.h, a stable ABI): eight bytes of u8 fields (tcpi_retransmits
+# byte 2, tcpi_probes byte 3), then u32 fields (tcpi_last_ack_recv the 13th: offset 56, ms).
+_TCP_INFO_NBYTES = 104
+_RETRANSMITS = 2
+_PROBES = 3
+_LAST_ACK_RECV = 56
+# ioctl SIOCOUTQ (= TIOCOUTQ): bytes in the send queue, unsent or unacknowledged.
+_SIOCOUTQ = 0x5411
+#: Unanswered zero-window probes that count as silence: the kernel of a peer that only
+#: stopped reading answers each probe (so at most one is ever outstanding).
+_SILENT_PROBES = 2
+
+
+def _addresses(hosts: Iterable[str]) -> set[str]:
+    """Normalized IP addresses of ``hosts`` (names resolved; unresolvable ones left out)."""
+    out: set[str] = set()
+    for host in hosts:
+        if not host:
+            continue
+        try:
+            out.add(str(ipaddress.ip_address(host)))
+            continue
+        except ValueError:
+            pass
+        with contextlib.suppress(OSError):
+            for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM):
+                out.add(str(ipaddress.ip_address(info[4][0])))
+    return out
+
+
+def _peer_ip(sock: socket.socket) -> str | None:
+    try:
+        ip = ipaddress.ip_address(sock.getpeername()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return str(ip)
+
+
+def _tcp_state(sock: socket.socket) -> tuple[int, int, int, int]:
+    """(bytes queued to send, retransmission time-outs of the oldest unacknowledged
+    segment, unanswered window probes, ms since the last acknowledgement) of a TCP
+    socket."""
+    import fcntl
+
+    queued = struct.unpack("i", fcntl.ioctl(sock.fileno(), _SIOCOUTQ, b"\0" * 4))[0]
+    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_NBYTES)
+    if len(info) < _LAST_ACK_RECV + 4:
+        return queued, 0, 0, 0
+    last_ack_ms = struct.unpack_from("I", info, _LAST_ACK_RECV)[0]
+    return queued, info[_RETRANSMITS], info[_PROBES], last_ack_ms
+
+
+def _is_stuck(sock: socket.socket, quiet_s: float) -> bool:
+    """Data queued, no acknowledgement for ``quiet_s``, and the kernel already waited in
+    vain: a retransmission timed out (data in flight across a cut link), or window probes
+    went unanswered (a link that is down on this side, where nothing could even be
+    sent). A peer that only stopped reading (a zero window) answers every probe and is
+    not stuck: its connection drains once it reads."""
+    queued, retransmits, probes, last_ack_ms = _tcp_state(sock)
+    silent = retransmits > 0 or probes >= _SILENT_PROBES
+    return queued > 0 and silent and last_ack_ms >= quiet_s * 1e3
+
+
+def stuck_sockets(hosts: Iterable[str], quiet_s: float = QUIET_S) -> list[int]:
+    """Descriptors of this process's TCP connections to any of ``hosts`` that hold queued
+    data and got no acknowledgement for ``quiet_s`` seconds (Linux; [] elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return []
+    targets = _addresses(hosts)
+    if not targets:
+        return []
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        fd = int(name)
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue  # closed meanwhile
+        try:
+            if sock.type != socket.SOCK_STREAM or sock.family not in (
+                socket.AF_INET,
+                socket.AF_INET6,
+            ):
+                continue
+            if _peer_ip(sock) in targets and _is_stuck(sock, quiet_s):
+                found.append(fd)
+        except OSError:
+            continue
+        finally:
+            sock.close()  # the duplicate only
+    return found
+
+
+def release_stuck(hosts: Iterable[str], quiet_s: float = QUIET_S) -> int:
+    """Shut the write side of every stuck connection to ``hosts`` (:func:`stuck_sockets`);
+    returns how many. Never raises: this runs on teardown paths."""
+    done = 0
+    hosts = list(hosts)
+    for fd in stuck_sockets(hosts, quiet_s):
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            sock.shutdown(socket.SHUT_WR)  # acts on the connection, not the descriptor
+            done += 1
+        except OSError:
+            pass
+        finally:
+            sock.close()
+    if done:
+        log.info(
+            "released %d stuck TCP connection(s) to %s (peers that stopped reading)",
+            done,
+            ", ".join(sorted(hosts)),
+        )
+    return done
