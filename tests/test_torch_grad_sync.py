@@ -266,6 +266,70 @@ def test_find_unused_parameters_leaves_unused_gradients_as_ddp_does() -> None:
     run_torch_ranks(_unused_job, 2, timeout=110)
 
 
+def _unused_feedback_job(rank: int, world: int, store: Any) -> dict[str, Any]:
+    import torch
+    import torch.nn as nn
+
+    from cgx_ucx.torch import GradientSync
+
+    join_cgx_with_gloo(rank, world, store)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+
+        def forward(self, x: Any, use_b: bool) -> Any:
+            y = self.a(x)
+            return (y + self.b(x) if use_b else y).square().sum()
+
+    torch.manual_seed(0)
+    model = Net()
+    sync = GradientSync(
+        model,
+        compression_params={"bits": 4, "bucket_size": 64},
+        layer_min_size=256,  # both weights compressed, the biases exact
+        error_feedback=True,
+        find_unused_parameters=True,
+    )
+    names = {}
+    for bi, params in enumerate(sync.buckets):
+        for slot, p in enumerate(params):
+            names[id(p)] = f"{bi}.{slot}"
+    a_key, b_key = names[id(model.a.weight)], names[id(model.b.weight)]
+    gen = torch.Generator().manual_seed(5 + rank)
+    residuals, b_grads = [], []
+    for use_b in (True, False, True):  # b: used by both ranks, by none, by both
+        model.zero_grad(set_to_none=False)
+        model(torch.randn(8, 32, generator=gen), use_b).backward()
+        sync.synchronize()
+        res = sync.state_dict()["residuals"]
+        residuals.append({k: res[k].clone() for k in (a_key, b_key) if k in res})
+        b_grads.append(model.b.weight.grad.clone())
+    return {"keys": (a_key, b_key), "residuals": residuals, "b_grads": b_grads}
+
+
+@pytest.mark.timeout(120)
+def test_error_feedback_of_a_parameter_no_rank_used_is_kept() -> None:
+    """find_unused_parameters with error feedback: a compressed parameter no rank used in
+    a step keeps its gradient (DDP's rule) and its residual: what error feedback added
+    to it was sent, but the average was discarded, so the residual is the one before
+    that step, and the next step that uses it re-sends the error (before, the residual
+    was replaced by the error of quantizing the residual itself)."""
+    import torch
+
+    for res in run_torch_ranks(_unused_feedback_job, 2, timeout=110):
+        a_key, b_key = res["keys"]
+        first, skipped, last = res["residuals"]
+        assert b_key in first and first[b_key].abs().sum() > 0  # a real residual
+        assert torch.equal(skipped[b_key], first[b_key])
+        assert not torch.equal(skipped[a_key], first[a_key])  # a was used: it moved on
+        assert not torch.equal(last[b_key], first[b_key])  # b used again: consumed
+        g0, g1, _ = res["b_grads"]
+        assert g0.abs().sum() > 0
+        assert torch.equal(g1, torch.zeros_like(g1))  # as zero_grad() left it
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("find_unused", [False, True])
 def test_a_synchronize_repeated_after_an_error_still_averages(find_unused: bool) -> None:

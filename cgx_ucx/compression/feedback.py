@@ -143,6 +143,16 @@ class ErrorFeedback:
             self._residual.pop(key, None)
             self._scratch.pop(key, None)
 
+    def restore(self, key: Hashable, residual: Any) -> None:
+        """Make ``residual`` (a float32 array this object may keep, e.g. a copy of an
+        earlier :meth:`residual`) the residual of ``key``; None forgets it. For a caller
+        whose step was discarded after the residual was updated."""
+        if residual is None:
+            self.reset(key)
+            return
+        self._residual[key] = residual
+        self._scratch.pop(key, None)
+
     # -- checkpointing -------------------------------------------------------------------
     def state_dict(self) -> dict[Hashable, np.ndarray]:
         """The residuals as host NumPy float32 arrays (copies), keyed as given."""

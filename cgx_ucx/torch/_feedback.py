@@ -16,7 +16,7 @@ whenever the layer is compressed again.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -82,6 +82,26 @@ class LayerFeedback:
                 layer.copy_(torch.as_tensor(comp, device=layer.device))
                 sent = as_array(layer.float())
             ef.update(key, comp, decode(encode(sent, spec.bits, spec.bucket_size)))
+
+    def hold(self, index: int, layers: Iterable[int]) -> dict[int, Any]:
+        """Copies of the residuals of ``layers`` of bucket ``index`` as they are now (None
+        for one without), for :meth:`restore` if this step's result for them is then
+        discarded."""
+        held = {}
+        for i in layers:
+            old = self._ef.residual((index, i))
+            held[i] = None if old is None else old.copy()
+        return held
+
+    def restore(self, index: int, held: Mapping[int, Any]) -> None:
+        """Put back residuals taken by :meth:`hold`: the layers' part of this step was
+        not used (no rank used the parameter: its gradient stays as it was, as DDP
+        leaves it), so what :meth:`apply` added to it was sent for nothing and its
+        error must not be forgotten."""
+        for i, old in held.items():
+            self._ef.restore((index, i), old)
+            if old is not None:
+                self._buckets.add(index)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Residuals as CPU float32 tensors named ``"<bucket>.<layer>"``."""

@@ -90,6 +90,9 @@ class _Bucket:
     indices: tuple[int, ...] = ()  # the policy's layer index of each parameter
     ready: set[int] = field(default_factory=set)  # slots whose gradient is in the buffer
     used: set[int] = field(default_factory=set)  # slots whose hook ran since synchronize
+    #: Error-feedback residuals of the slots this rank did not use, as they were before
+    #: this step (find_unused_parameters): put back for the ones no rank used.
+    held: dict[int, Any] = field(default_factory=dict)
     future: concurrent.futures.Future[Any] | None = None
 
     @property
@@ -314,6 +317,9 @@ class GradientSync:
             self._runner.observe(self.steps, views, bucket.indices)
         buf.div_(self.world_size)
         if self._feedback is not None:
+            if self._find_unused:
+                idle = [s for s in range(len(bucket.params)) if s not in bucket.used]
+                bucket.held = self._feedback.hold(bucket.index, idle)
             self._feedback.apply(bucket.index, buf, bucket.layout)
         bucket.future = self.communicator.allreduce(
             as_array(buf),
@@ -397,18 +403,26 @@ class GradientSync:
         used_by = self._used_flags.tolist() if self._find_unused else None
         base = 0  # the bucket's first parameter in the flags
         for b in self._buckets:
+            unused = {}
             for slot, (p, off) in enumerate(zip(b.params, b.offsets, strict=True)):
                 if not p.requires_grad:
                     continue  # frozen since construction: its gradient stays as it is
                 if used_by is not None and used_by[base + slot] == 0.0:
-                    continue  # no rank used it: its gradient stays as it is (DDP's rule)
+                    # No rank used it: its gradient stays as it is (DDP's rule), and so
+                    # does its error-feedback residual (what it added was not used).
+                    if slot in b.held:
+                        unused[slot] = b.held[slot]
+                    continue
                 avg = b.buffer[off : off + p.numel()].view_as(p)
                 if p.grad is None:
                     p.grad = avg.clone()
                 else:
                     p.grad.copy_(avg)
+            if unused and self._feedback is not None:
+                self._feedback.restore(b.index, unused)
             b.ready.clear()
             b.used.clear()
+            b.held = {}
             b.future = None
             base += len(b.params)
         self._next = 0
