@@ -569,3 +569,38 @@ def test_env_rendezvous_under_torchrun_agent_joins_its_store(monkeypatch):
     store.set("cgx_probe", "1")
     agent.set_timeout(datetime.timedelta(seconds=5))
     assert agent.get("/worker/attempt_2/cgx_probe") == b"1"
+
+
+def test_a_status_answer_names_the_peers_this_rank_waits_on():
+    """A rank asked for its status says whom it waits on, the longest wait first: behind
+    a cut link, the rank next to the cut times out first on a neighbour that is alive
+    and itself waiting, and only this names the rank behind the cut (issue 13's
+    link-cut run, CI session 17)."""
+    from cgx_ucx.transport.frames import Frame
+    from cgx_ucx.transport.status import MAX_WAITS_TOLD, Activity, PeerStatus
+
+    act = Activity()
+    act.finished(9)
+    act.started(10, "allreduce, numel 262144, bits 4")
+    head, what = act.frame(job=1, src=1)
+    assert what == "allreduce, numel 262144, bits 4"  # nothing awaited
+    act.wait_begins(2)
+    time.sleep(0.05)
+    for r in (0, 2, 3, 4, 5):
+        act.wait_begins(r)
+    head, what = act.frame(job=1, src=1)
+    assert what.startswith("allreduce, numel 262144, bits 4; waiting on rank 2 for "), what
+    assert what.count("rank ") == MAX_WAITS_TOLD, what
+    text = PeerStatus.from_frame(Frame.unpack(head.pack(), job=1), what).describe()
+    assert "rank 1 is alive and still in collective #10" in text
+    assert "waiting on rank 2" in text, text
+    # Every begin has its end: nothing is told once the waits are over.
+    for r in (2, 2, 0, 3, 4, 5):
+        act.wait_ends(r)
+    assert act.waiting_on() == ""
+    assert act.frame(job=1, src=1)[1] == "allreduce, numel 262144, bits 4"
+    # Point-to-point waits outside any collective are told too.
+    idle = Activity()
+    idle.wait_begins(3)
+    text = PeerStatus(rank=1, answered=True, what=idle.frame(1, 1)[1]).describe()
+    assert text.startswith("rank 1 is alive and has not started any collective (waiting on rank 3")

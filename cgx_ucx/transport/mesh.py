@@ -500,8 +500,12 @@ class Mesh(MeshSetup):
             return self._op_failed(rank, what, exc)
         if not task.done():
             timeout = self.config.timeout if deadline else None
-            if not await await_or_wake(task, (self.failed_future, *extra), timeout):
-                task = None
+            self.activity.wait_begins(rank)  # told to peers that ask (status.py)
+            try:
+                if not await await_or_wake(task, (self.failed_future, *extra), timeout):
+                    task = None
+            finally:
+                self.activity.wait_ends(rank)
         if task is not None:
             try:
                 return task.result()
@@ -782,6 +786,9 @@ class Mesh(MeshSetup):
 
             for fut in pending:
                 fut.add_done_callback(one)
+            awaited = {r for r, _, fut in ops if not fut.done()}
+            for r in awaited:
+                self.activity.wait_begins(r)  # told to peers that ask (status.py)
             try:
                 ok = await await_or_wake(
                     all_done, (self.failed_future, *extra), self.config.timeout
@@ -789,6 +796,9 @@ class Mesh(MeshSetup):
             except BaseException:  # cancelled from outside: nobody waits for them now
                 self._cancel_ops(ops)
                 raise
+            finally:
+                for r in awaited:
+                    self.activity.wait_ends(r)
             if not ok:
                 late = next(((r, w) for r, w, fut in ops if not fut.done()), ops[0][:2])
                 self._cancel_ops(ops)

@@ -11,6 +11,7 @@ them the mesh still knows the latest collective this rank sent a frame for.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from .frames import Coll, Frame, Kind
@@ -23,18 +24,49 @@ __all__ = ["STATUS_WAIT_S", "Activity", "PeerStatus"]
 STATUS_WAIT_S = 1.0
 #: Longest description a STATUS frame carries.
 MAX_WHAT_NBYTES = 256
+#: Peers a STATUS answer names as the ones this rank waits on (the longest waits).
+MAX_WAITS_TOLD = 3
 
 
 class Activity:
-    """This rank's collectives: the latest started (seq, description) and finished seq."""
+    """This rank's collectives: the latest started (seq, description) and finished seq,
+    and the peers it is waiting on now (so that a rank that timed out on this one learns
+    who this one waits for: behind a cut link, the rank next to it in a ring times out
+    first and would otherwise only hear "alive and still in collective #n")."""
 
-    __slots__ = ("_explicit", "finished_seq", "started_seq", "what")
+    __slots__ = ("_explicit", "_waits", "finished_seq", "started_seq", "what")
 
     def __init__(self) -> None:
         self.started_seq = 0
         self.what = ""
         self.finished_seq = 0
         self._explicit = False  # the communicator reports finishes (else unknown)
+        #: peer -> [operations waiting on it, monotonic time the oldest one began]
+        self._waits: dict[int, list] = {}
+
+    def wait_begins(self, rank: int) -> None:
+        """An operation with ``rank`` is being waited for (pair with :meth:`wait_ends`)."""
+        w = self._waits.get(rank)
+        if w is None:
+            self._waits[rank] = [1, time.monotonic()]
+        else:
+            w[0] += 1
+
+    def wait_ends(self, rank: int) -> None:
+        w = self._waits.get(rank)
+        if w is not None:
+            w[0] -= 1
+            if w[0] <= 0:
+                del self._waits[rank]
+
+    def waiting_on(self) -> str:
+        """ "waiting on rank 2 for 2.9 s, rank 0 for 0.1 s" (the longest waits first), or
+        "" when nothing is awaited."""
+        if not self._waits:
+            return ""
+        now = time.monotonic()
+        longest = sorted(self._waits.items(), key=lambda kv: kv[1][1])[:MAX_WAITS_TOLD]
+        return "waiting on " + ", ".join(f"rank {r} for {now - w[1]:.1f} s" for r, w in longest)
 
     def started(self, seq: int, what: str) -> None:
         if seq >= self.started_seq:
@@ -59,7 +91,9 @@ class Activity:
         rank does not know), payload = the description."""
         count = self.finished_seq + 1 if self._explicit else 0
         head = Frame(kind=Kind.STATUS, job=job, src=src, seq=self.started_seq, count=count)
-        return head, self.what[:MAX_WHAT_NBYTES]
+        waits = self.waiting_on()
+        what = f"{self.what}; {waits}" if waits and self.what else (waits or self.what)
+        return head, what.encode()[:MAX_WHAT_NBYTES].decode(errors="ignore")
 
 
 @dataclass
@@ -95,7 +129,8 @@ class PeerStatus:
                 f"{STATUS_WAIT_S:g} s (busy outside its event loop, or cut off)"
             )
         if self.started_seq == 0:
-            return f"rank {r} is alive and has not started any collective"
+            waits = f" ({self.what})" if self.what else ""  # point-to-point waits only
+            return f"rank {r} is alive and has not started any collective{waits}"
         latest = f"collective #{self.started_seq} ({self.what})"
         if self.finished_seq is None:
             return f"rank {r} is alive; the latest collective it started is {latest}"
