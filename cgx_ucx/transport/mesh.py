@@ -303,6 +303,8 @@ class Mesh(MeshSetup):
         next collective, if any, still reports as an error)."""
         if not quiet:
             self._troubled = True
+            if self.data_error_handling:  # see _release_stuck: for a mesh nobody closes
+                _stuck.release_at_exit(p.host for p in self.peers.values())
         if self._failed is not None and not self._failed.done():
             (log.info if quiet else log.warning)("rank %d: communicator failed: %s", self.rank, exc)
             self._failed.set_exception(exc)

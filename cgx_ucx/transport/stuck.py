@@ -18,11 +18,14 @@ them fails at once (EPIPE; UCX sends with MSG_NOSIGNAL), so UCX's destroy goes o
 already queued still leaves if it can (the FIN follows it), and nothing is closed under
 UCX's feet (the descriptor stays UCX's). A connection that is still acknowledged, one
 whose peer only stopped reading (it answers the kernel's probes), or one to another
-address is never touched.
+address is never touched. The mesh calls it when it closes after a failure, and
+:func:`release_at_exit` makes it run at interpreter exit as well, ahead of ucxx's
+finalizers, for a failed communicator nobody closed.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ipaddress
 import logging
@@ -32,7 +35,7 @@ import struct
 import sys
 from collections.abc import Iterable
 
-__all__ = ["QUIET_S", "release_stuck", "stuck_sockets"]
+__all__ = ["QUIET_S", "release_at_exit", "release_stuck", "stuck_sockets"]
 
 log = logging.getLogger("cgx_ucx.transport")
 
@@ -165,3 +168,24 @@ def release_stuck(hosts: Iterable[str], quiet_s: float = QUIET_S) -> int:
             ", ".join(sorted(hosts)),
         )
     return done
+
+
+_exit_hosts: set[str] = set()
+_exit_hook = [False]  # registered with atexit
+
+
+def release_at_exit(hosts: Iterable[str]) -> None:
+    """Release the stuck connections to ``hosts`` at interpreter exit as well: for a
+    failed communicator that nobody closed (an asyncio job that lets its error end the
+    program), whose endpoints ucxx's finalizers destroy at exit. atexit runs the
+    handlers registered last first, and this one is registered once an endpoint (so
+    ucxx's finalizer hook) exists, so it runs before them."""
+    _exit_hosts.update(h for h in hosts if h)
+    if not _exit_hook[0]:
+        _exit_hook[0] = True
+        atexit.register(_release_at_exit)
+
+
+def _release_at_exit() -> None:
+    if _exit_hosts:
+        release_stuck(_exit_hosts)
