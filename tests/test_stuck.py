@@ -68,9 +68,15 @@ def test_a_peer_that_only_stopped_reading_is_never_released() -> None:
 
 
 def test_unknown_or_unrelated_hosts_select_nothing() -> None:
+    """Teardown never resolves names (the network may be gone): peers' addresses are
+    resolved when they connect (addresses_of), and only IP literals select sockets."""
     assert stuck.stuck_sockets([]) == []
-    assert stuck.stuck_sockets(["", "no-such-host.invalid"]) == []
+    assert stuck.stuck_sockets(["", "localhost", "no-such-host.invalid"]) == []
     assert stuck.release_stuck(["192.0.2.1"]) == 0  # TEST-NET-1: nothing connects there
+    assert stuck.addresses_of("127.0.0.1") == {"127.0.0.1"}
+    assert stuck.addresses_of("::ffff:10.0.0.1") == {"10.0.0.1"}  # as getpeername gives it
+    assert "127.0.0.1" in stuck.addresses_of("localhost")
+    assert stuck.addresses_of("no-such-host.invalid") == frozenset()
 
 
 # Runs in namespace 0: connects to the silent server in namespace 1, fills the send

@@ -21,6 +21,7 @@ from ..errors import CGXError, ConfigError, ProtocolError, RendezvousError
 from . import handshake as _hs
 from . import levels as _levels
 from . import progress as _progress
+from . import stuck as _stuck
 from . import ucx as _ucx
 from .rendezvous import PeerAddress, PeerFailedError, Rendezvous, node_id, with_rank
 from .rendezvous import default_host as _default_host
@@ -167,7 +168,7 @@ class MeshSetup:
         peers = {}
         for r in self.peers:
             peers[r] = await rdzv.peer(r)
-            self.peers[r].host = peers[r].host
+            self.peers[r].hosts = _stuck.addresses_of(peers[r].host)
             self._published.add(r)
         # Ranks on this kernel (codec threads share its cores), not the topology's node.
         self.local_ranks = sorted(

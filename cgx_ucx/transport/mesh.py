@@ -134,7 +134,7 @@ class _Peer:
         "ctrl",
         "ctrl_task",
         "data",
-        "host",
+        "hosts",
         "keys",
         "lost",
         "rank",
@@ -145,8 +145,9 @@ class _Peer:
         self.rank = rank
         self.ctrl: Any = None  # error-handling endpoint (listener / create_endpoint)
         self.data: Any = None  # worker-address endpoint
-        #: The address it published (its listener's host): where its connections go.
-        self.host = ""
+        #: The IP addresses of the host it published (its listener's): where our
+        #: connections to it go (resolved at connect, for .stuck).
+        self.hosts: frozenset[str] = frozenset()
         self.keys: PairKeys | None = None
         self.ctrl_task: asyncio.Task | None = None
         self.lost: CGXError | None = None
@@ -304,7 +305,7 @@ class Mesh(MeshSetup):
         if not quiet:
             self._troubled = True
             if self.data_error_handling:  # see _release_stuck: for a mesh nobody closes
-                _stuck.release_at_exit(p.host for p in self.peers.values())
+                _stuck.release_at_exit(h for p in self.peers.values() for h in p.hosts)
         if self._failed is not None and not self._failed.done():
             (log.info if quiet else log.warning)("rank %d: communicator failed: %s", self.rank, exc)
             self._failed.set_exception(exc)
@@ -957,7 +958,7 @@ class Mesh(MeshSetup):
         connection up (minutes), at interpreter exit. A live peer acknowledges, so its
         connections are left alone. Not with data endpoints without error handling
         (``data_error_handling=False``): there a failed send is fatal to the process."""
-        hosts = {p.host for p in self.peers.values() if p.host}
+        hosts = {h for p in self.peers.values() for h in p.hosts}
         if self._troubled and hosts and self.data_error_handling:
             with contextlib.suppress(Exception):  # teardown goes on whatever happens here
                 _stuck.release_stuck(hosts)

@@ -35,7 +35,7 @@ import struct
 import sys
 from collections.abc import Iterable
 
-__all__ = ["QUIET_S", "release_at_exit", "release_stuck", "stuck_sockets"]
+__all__ = ["QUIET_S", "addresses_of", "release_at_exit", "release_stuck", "stuck_sockets"]
 
 log = logging.getLogger("cgx_ucx.transport")
 
@@ -56,31 +56,45 @@ _SIOCOUTQ = 0x5411
 _SILENT_PROBES = 2
 
 
+def _normal(text: str) -> str:
+    """One spelling per address: IPv4-mapped IPv6 as the IPv4 address (ValueError for
+    what is not an IP literal)."""
+    ip = ipaddress.ip_address(text.split("%")[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return str(ip)
+
+
+def addresses_of(host: str) -> frozenset[str]:
+    """The IP addresses of ``host`` (a literal, or a name resolved now): called when a
+    peer is connected, so that teardown, when the network may be gone, never waits for
+    a name server. Empty where the name does not resolve."""
+    try:
+        return frozenset({_normal(host)})
+    except ValueError:
+        pass
+    out = set()
+    with contextlib.suppress(OSError, ValueError):
+        for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM):
+            out.add(_normal(str(info[4][0])))
+    return frozenset(out)
+
+
 def _addresses(hosts: Iterable[str]) -> set[str]:
-    """Normalized IP addresses of ``hosts`` (names resolved; unresolvable ones left out)."""
+    """The IP literals among ``hosts``, normalized (names are left out: no resolving
+    here, see :func:`addresses_of`)."""
     out: set[str] = set()
     for host in hosts:
-        if not host:
-            continue
-        try:
-            out.add(str(ipaddress.ip_address(host)))
-            continue
-        except ValueError:
-            pass
-        with contextlib.suppress(OSError):
-            for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM):
-                out.add(str(ipaddress.ip_address(info[4][0])))
+        with contextlib.suppress(ValueError):
+            out.add(_normal(host))
     return out
 
 
 def _peer_ip(sock: socket.socket) -> str | None:
     try:
-        ip = ipaddress.ip_address(sock.getpeername()[0])
+        return _normal(str(sock.getpeername()[0]))
     except (OSError, ValueError, IndexError):
         return None
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return str(ip)
 
 
 def _tcp_state(sock: socket.socket) -> tuple[int, int, int, int]:
@@ -109,8 +123,8 @@ def _is_stuck(sock: socket.socket, quiet_s: float) -> bool:
 
 
 def stuck_sockets(hosts: Iterable[str], quiet_s: float = QUIET_S) -> list[int]:
-    """Descriptors of this process's TCP connections to any of ``hosts`` that hold queued
-    data and got no acknowledgement for ``quiet_s`` seconds (Linux; [] elsewhere)."""
+    """Descriptors of this process's TCP connections to any of ``hosts`` (IP addresses)
+    that are stuck (:func:`_is_stuck`; Linux, [] elsewhere)."""
     if not sys.platform.startswith("linux"):
         return []
     targets = _addresses(hosts)
@@ -163,7 +177,7 @@ def release_stuck(hosts: Iterable[str], quiet_s: float = QUIET_S) -> int:
             sock.close()
     if done:
         log.info(
-            "released %d stuck TCP connection(s) to %s (peers that stopped reading)",
+            "released %d stuck TCP connection(s) to %s (nothing acknowledged: cut or silent)",
             done,
             ", ".join(sorted(hosts)),
         )
