@@ -604,3 +604,27 @@ def test_a_status_answer_names_the_peers_this_rank_waits_on():
     idle.wait_begins(3)
     text = PeerStatus(rank=1, answered=True, what=idle.frame(1, 1)[1]).describe()
     assert text.startswith("rank 1 is alive and has not started any collective (waiting on rank 3")
+
+
+async def peer_addresses_by_name(ctx):
+    from cgx_ucx.collectives import connect
+    from cgx_ucx.config import CommConfig
+
+    comm = await connect(
+        ctx.store, ctx.rank, ctx.world_size, config=CommConfig(timeout=20), host="localhost"
+    )
+    await comm.barrier()
+    hosts = {r: sorted(p.hosts) for r, p in comm._mesh.peers.items()}
+    await comm.close()
+    return hosts
+
+
+@pytest.mark.timeout(60)
+def test_peers_published_by_name_have_their_addresses_resolved_at_connect():
+    """What a failed mesh releases at close (transport.stuck) goes by the peers' IP
+    addresses, resolved while connecting (on the resolver thread, like the dial), so that
+    teardown never waits for a name server."""
+    for rank, hosts in enumerate(run_ranks(peer_addresses_by_name, 2, timeout=50)):
+        (peer,) = hosts
+        assert peer == 1 - rank
+        assert "127.0.0.1" in hosts[peer], hosts

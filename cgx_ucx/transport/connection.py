@@ -166,10 +166,14 @@ class MeshSetup:
         if self.world_size == 1:
             return
         peers = {}
+        resolved: dict[str, frozenset[str]] = {}
         for r in self.peers:
             peers[r] = await rdzv.peer(r)
-            self.peers[r].hosts = _stuck.addresses_of(peers[r].host)
             self._published.add(r)
+            host = peers[r].host
+            if host not in resolved:
+                resolved[host] = await _host_addresses(rdzv, host)
+            self.peers[r].hosts = resolved[host]
         # Ranks on this kernel (codec threads share its cores), not the topology's node.
         self.local_ranks = sorted(
             [self.rank, *(r for r, a in peers.items() if a.node == addr.node)]
@@ -385,6 +389,19 @@ async def _first_error(tasks: list[asyncio.Future]) -> None:
         for t in done:
             if not t.cancelled() and t.exception() is not None:
                 raise t.exception()  # type: ignore[misc]
+
+
+async def _host_addresses(rdzv: Rendezvous, host: str) -> frozenset[str]:
+    """The IP addresses of a peer's published host, for :mod:`.stuck` (empty where they
+    cannot be known by the connect deadline). A name is resolved as :meth:`_dial` does
+    it, on the resolver thread: never a blocking lookup on the loop."""
+    if _numeric_ip(host):
+        return _stuck.addresses_of(host)
+    with contextlib.suppress(TimeoutError, OSError):
+        return await asyncio.wait_for(
+            rdzv.run_blocking(_stuck.addresses_of, host), _hs.remaining(rdzv.deadline)
+        )
+    return frozenset()
 
 
 def _numeric_ip(host: str) -> bool:
