@@ -32,7 +32,7 @@ import os
 import socket
 import struct
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 __all__ = ["QUIET_S", "addresses_of", "release_at_exit", "release_stuck", "stuck_sockets"]
 
@@ -121,19 +121,20 @@ def _is_stuck(sock: socket.socket, quiet_s: float) -> bool:
     return queued > 0 and silent and last_ack_ms >= quiet_s * 1e3
 
 
-def stuck_sockets(hosts: Iterable[str], quiet_s: float = QUIET_S) -> list[int]:
-    """Descriptors of this process's TCP connections to any of ``hosts`` (IP addresses)
-    that are stuck (:func:`_is_stuck`; Linux, [] elsewhere)."""
+def _stuck(hosts: Iterable[str], quiet_s: float) -> Iterator[tuple[int, socket.socket]]:
+    """(descriptor, a duplicate of it) for each of this process's TCP connections to
+    any of ``hosts`` (IP addresses) that is stuck (:func:`_is_stuck`; Linux only). The
+    duplicate is open while the caller holds it, so acting on it can never hit another
+    socket that took a descriptor number closed meanwhile."""
     if not sys.platform.startswith("linux"):
-        return []
+        return
     targets = _addresses(hosts)
     if not targets:
-        return []
+        return
     try:
         names = os.listdir("/proc/self/fd")
     except OSError:
-        return []
-    found = []
+        return
     for name in names:
         fd = int(name)
         try:
@@ -142,19 +143,23 @@ def stuck_sockets(hosts: Iterable[str], quiet_s: float = QUIET_S) -> list[int]:
             sock = socket.socket(fileno=os.dup(fd))
         except OSError:
             continue  # closed meanwhile
-        try:
-            if sock.type != socket.SOCK_STREAM or sock.family not in (
-                socket.AF_INET,
-                socket.AF_INET6,
-            ):
+        with sock:  # the duplicate only
+            try:
+                tcp = sock.type == socket.SOCK_STREAM and sock.family in (
+                    socket.AF_INET,
+                    socket.AF_INET6,
+                )
+                if not (tcp and _peer_ip(sock) in targets and _is_stuck(sock, quiet_s)):
+                    continue
+            except OSError:
                 continue
-            if _peer_ip(sock) in targets and _is_stuck(sock, quiet_s):
-                found.append(fd)
-        except OSError:
-            continue
-        finally:
-            sock.close()  # the duplicate only
-    return found
+            yield fd, sock
+
+
+def stuck_sockets(hosts: Iterable[str], quiet_s: float = QUIET_S) -> list[int]:
+    """Descriptors of this process's TCP connections to any of ``hosts`` (IP addresses)
+    that are stuck (:func:`_is_stuck`; Linux, [] elsewhere)."""
+    return [fd for fd, _ in _stuck(hosts, quiet_s)]
 
 
 def release_stuck(hosts: Iterable[str], quiet_s: float = QUIET_S) -> int:
@@ -162,18 +167,10 @@ def release_stuck(hosts: Iterable[str], quiet_s: float = QUIET_S) -> int:
     returns how many."""
     done = 0
     hosts = list(hosts)
-    for fd in stuck_sockets(hosts, quiet_s):
-        try:
-            sock = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
+    for _, sock in _stuck(hosts, quiet_s):
+        with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_WR)  # acts on the connection, not the descriptor
             done += 1
-        except OSError:
-            pass
-        finally:
-            sock.close()
     if done:
         log.info(
             "released %d stuck TCP connection(s) to %s (nothing acknowledged: cut or silent)",
@@ -183,8 +180,7 @@ def release_stuck(hosts: Iterable[str], quiet_s: float = QUIET_S) -> int:
     return done
 
 
-_exit_hosts: set[str] = set()
-_exit_hook = [False]  # registered with atexit
+_exit_hosts: set[str] = set()  # non-empty once the atexit hook is registered
 
 
 def release_at_exit(hosts: Iterable[str]) -> None:
@@ -193,13 +189,12 @@ def release_at_exit(hosts: Iterable[str]) -> None:
     program), whose endpoints ucxx's finalizers destroy at exit. atexit runs the
     handlers registered last first, and this one is registered once an endpoint (so
     ucxx's finalizer hook) exists, so it runs before them."""
-    _exit_hosts.update(h for h in hosts if h)
-    if not _exit_hook[0]:
-        _exit_hook[0] = True
+    new = {h for h in hosts if h}
+    if new and not _exit_hosts:
         atexit.register(_release_at_exit)
+    _exit_hosts.update(new)
 
 
 def _release_at_exit() -> None:
-    if _exit_hosts:
-        with contextlib.suppress(Exception):  # nothing to report to at exit
-            release_stuck(_exit_hosts)
+    with contextlib.suppress(Exception):  # nothing to report to at exit
+        release_stuck(_exit_hosts)
