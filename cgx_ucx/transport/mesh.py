@@ -305,7 +305,7 @@ class Mesh(MeshSetup):
         if not quiet:
             self._troubled = True
             if self.data_error_handling:  # see _release_stuck: for a mesh nobody closes
-                _stuck.release_at_exit(h for p in self.peers.values() for h in p.hosts)
+                _stuck.release_at_exit(self._peer_hosts())
         if self._failed is not None and not self._failed.done():
             (log.info if quiet else log.warning)("rank %d: communicator failed: %s", self.rank, exc)
             self._failed.set_exception(exc)
@@ -958,10 +958,13 @@ class Mesh(MeshSetup):
         connection up (minutes), at interpreter exit. A live peer acknowledges, so its
         connections are left alone. Not with data endpoints without error handling
         (``data_error_handling=False``): there a failed send is fatal to the process."""
-        hosts = {h for p in self.peers.values() for h in p.hosts}
-        if self._troubled and hosts and self.data_error_handling:
+        if self._troubled and self.data_error_handling:
             with contextlib.suppress(Exception):  # teardown goes on whatever happens here
-                _stuck.release_stuck(hosts)
+                _stuck.release_stuck(self._peer_hosts())
+
+    def _peer_hosts(self) -> set[str]:
+        """The IP addresses our connections to the peers go to (resolved at connect)."""
+        return {h for p in self.peers.values() for h in p.hosts}
 
     async def _settle_listener(self, park: bool = False) -> bool:
         """Close the listener once no connection handshake is in flight inside ucxx
