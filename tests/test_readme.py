@@ -1,8 +1,10 @@
-"""Every ```python block of README.md runs as pasted, on 2 ranks as torchrun would run it.
+"""Every ```python block of README.md and docs/*.md runs as pasted, on 2 ranks as torchrun
+would run it.
 
 Each block is a complete script. The harness spawns 2 processes with torchrun's
 variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) set
-before anything is imported, and each executes the block's text as ``__main__``.
+before anything is imported, and each executes the block's text as ``__main__``. A
+fragment that is not a complete script is fenced as ```py instead, and is not run.
 """
 
 from __future__ import annotations
@@ -15,18 +17,21 @@ from typing import Any
 import pytest
 from harness import RankContext, run_ranks
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 WORLD = 2
 
 
-def python_blocks() -> list[tuple[str, str]]:
-    """(id, code) of every ```python block, the id naming the README line it starts on."""
-    text = README.read_text()
+def python_blocks(pages: list[Path] = PAGES) -> list[tuple[str, str]]:
+    """(id, code) of every ```python block, the id naming the file and line it starts on."""
     out = []
-    for m in BLOCK.finditer(text):
-        line = text.count("\n", 0, m.start()) + 1
-        out.append((f"README.md:{line}", m.group(1)))
+    for page in pages:
+        text = page.read_text()
+        for m in BLOCK.finditer(text):
+            line = text.count("\n", 0, m.start()) + 1
+            out.append((f"{page.relative_to(ROOT)}:{line}", m.group(1)))
     return out
 
 
@@ -43,8 +48,8 @@ def _run_block(ctx: RankContext, name: str, code: str) -> str:
 
 
 def test_readme_has_python_blocks() -> None:
-    names = [name for name, _ in python_blocks()]
-    assert len(names) >= 5, names  # torchrun script, DDP hook, GradientSync, asyncio, sync
+    names = [name for name, _ in python_blocks([README])]
+    assert len(names) >= 5, names  # torch backend, DDP hook, GradientSync, asyncio, FSDP2
 
 
 @pytest.mark.timeout(300)
