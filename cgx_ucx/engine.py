@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import threading
 from collections.abc import Coroutine
@@ -104,7 +105,9 @@ class Engine:
         if not self.running:
             coro.close()
             raise TransportError("the cgx_ucx engine is stopped")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._loop.call_soon_threadsafe(_start, self._loop, coro, fut)
+        return fut
 
     def run(self, coro: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
         """Run ``coro`` on the engine loop and wait for its result (not from the loop thread)."""
@@ -142,6 +145,43 @@ class Engine:
             self._thread.join(STOP_TIMEOUT_S)
             if self._thread.is_alive():
                 log.warning("cgx_ucx engine thread did not stop within %g s", STOP_TIMEOUT_S)
+
+
+def _start(
+    loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], fut: concurrent.futures.Future
+) -> None:
+    """On the loop: run ``coro`` as a task whose outcome completes ``fut``; cancelling
+    ``fut`` cancels the task.
+
+    This is :func:`asyncio.run_coroutine_threadsafe` without its reference cycle: that
+    one's callbacks close over both futures, and a finished ``concurrent.futures.Future``
+    keeps its callbacks, so the returned future, its task and the task's result (a view
+    of the caller's buffer) would stay alive until the cyclic collector runs. Here the
+    future refers to the task, and the finished task to nothing of the future's.
+    """
+    if fut.cancelled():
+        coro.close()
+        return
+    task = loop.create_task(coro)
+    task.add_done_callback(functools.partial(_settle, fut))
+    fut.add_done_callback(functools.partial(_cancel_task, loop, task))
+
+
+def _settle(fut: concurrent.futures.Future, task: asyncio.Task) -> None:
+    if task.cancelled():
+        fut.cancel()
+    if not fut.set_running_or_notify_cancel():  # cancelled, here or by its caller
+        return
+    exc = task.exception()
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(task.result())
+
+
+def _cancel_task(loop: asyncio.AbstractEventLoop, task: asyncio.Task, fut: Any) -> None:
+    if fut.cancelled() and not task.done() and not loop.is_closed():
+        loop.call_soon_threadsafe(task.cancel)
 
 
 def _finished(value: Any) -> concurrent.futures.Future:

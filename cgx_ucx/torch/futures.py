@@ -117,7 +117,13 @@ def complete_from(
 
 class TorchBridge:
     """One engine future bridged to one torch future (:attr:`future`), completed exactly
-    once: by a completion thread, or by the thread that waits in :meth:`wait`."""
+    once: by a completion thread, or by the thread that waits in :meth:`wait`.
+
+    Once complete it drops the engine future and the callables: the engine future keeps
+    its done-callbacks (this bridge's) after it finishes, and ``finish`` and ``done``
+    hold the caller's tensors and work, so keeping them would tie all of these into a
+    reference cycle that only the cyclic collector frees.
+    """
 
     def __init__(
         self,
@@ -126,12 +132,12 @@ class TorchBridge:
         done: Callable[[BaseException | None], None] | None = None,
         future: torch.futures.Future[Any] | None = None,
     ) -> None:
-        self.src = src
+        self.src: concurrent.futures.Future[Any] | None = src
         self.future: torch.futures.Future[Any] = (
             future if future is not None else torch.futures.Future()
         )
-        self._finish = finish
-        self._done = done
+        self._finish: Callable[[Any], Any] | None = finish
+        self._done: Callable[[BaseException | None], None] | None = done
         self._lock = threading.Lock()
         self._claimed = False
         self._waiters = 0
@@ -158,7 +164,10 @@ class TorchBridge:
             if self._claimed:
                 return
             self._claimed = True
-        complete_from(self.src, self.future, self._finish, self._done)
+            src, finish, done = self.src, self._finish, self._done
+            self.src = self._finish = self._done = None
+        assert src is not None and finish is not None
+        complete_from(src, self.future, finish, done)
 
     def wait(self, timeout: float | None) -> None:
         """Wait at most ``timeout`` s for the engine future; when it finished, complete
@@ -166,10 +175,13 @@ class TorchBridge:
         saying: the caller checks its own completion signal."""
         end = None if timeout is None else time.monotonic() + timeout
         with self._lock:
+            src = self.src
+            if src is None:  # completed already
+                return
             self._waiters += 1
         try:
             if end is None or end > time.monotonic():
-                self.src.exception(None if end is None else max(end - time.monotonic(), 0.0))
+                src.exception(None if end is None else max(end - time.monotonic(), 0.0))
         except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
             pass
         finally:
@@ -177,7 +189,7 @@ class TorchBridge:
                 self._waiters -= 1
         # _on_done skipped the pool only while we were registered, and it runs after
         # src is done: so if src is done now, completing it is (at least) up to us.
-        if self.src.done():
+        if src.done():
             self.complete()
 
 

@@ -91,7 +91,7 @@ class CGXWork(_TorchWork):
         work = cls(what, timeout, latch=not done)
         if done:
             # Done already (a mailbox collective ran on the caller's thread): completed
-            # here, with neither a bridge nor a torch future (issue 10: both cost ~10 us).
+            # here, with neither a bridge nor a torch future (both cost ~10 us per call).
             work._value, exc = outcome(source, finish)
             work.mark_done(exc)
         else:
@@ -111,6 +111,7 @@ class CGXWork(_TorchWork):
             return
         self._exception = exc
         self._finished = True
+        self._bridge = None  # the bridge refers back to this work (see TorchBridge)
         latch = self._latch
         if latch is not None:
             with contextlib.suppress(RuntimeError):  # two racing calls: released once
@@ -133,8 +134,9 @@ class CGXWork(_TorchWork):
             return True
         limit = wait_seconds(timeout) or self._timeout
         end = time.monotonic() + limit
-        if self._bridge is not None and not self._finished:
-            self._bridge.wait(limit)  # completes here: no completion-thread hop
+        bridge = self._bridge
+        if bridge is not None and not self._finished:
+            bridge.wait(limit)  # completes here: no completion-thread hop
         if not self._wait_latch(max(end - time.monotonic(), 0.0)):
             raise CGXTimeoutError(
                 f"cgx {self._what} did not complete within {limit:.3g} s (the process "
