@@ -149,7 +149,7 @@ def test_argument_types():
 
 @pytest.mark.parametrize("text", ["0", "-1", "-0.0", "inf", "nan", "-inf"])
 def test_positive_number_says_one_thing(text):
-    """0 and a negative number get the same message (it said "at least 0" for -1)."""
+    """0 and a negative number get the same message: greater than 0."""
     with pytest.raises(argparse.ArgumentTypeError) as exc:
         positive_number(text)
     assert str(exc.value) == f"must be a finite number greater than 0, got {text}"

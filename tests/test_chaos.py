@@ -1,4 +1,4 @@
-"""Chaos tests of issue 13 that need more than a killed process: a network link cut between
+"""Chaos tests that need more than a killed process: a network link cut between
 namespaces in the middle of a stream of allreduces, and a first compressed allreduce whose
 CPU kernels must compile (empty Numba cache) under a short timeout.
 
@@ -39,8 +39,8 @@ PREFIX = "cgxchaos"
 CUT_TIMEOUT = 3.0
 #: Slack on top of timeout + status query for a loaded machine (scheduling, the ABORT round).
 CUT_SLACK = 2.5
-#: Teardown after the error: close() (issue 13: at most ~2 s; 1 s of it is the bounded wait
-#: for BYEs that cannot cross the cut).
+#: Teardown after the error: close() (at most ~2 s; 1 s of it is the bounded wait for BYEs
+#: that cannot cross the cut).
 CLOSE_LIMIT = 2.5
 #: From close() returning to the process being gone: Python's own finalization (a full GC
 #: over numba's and llvmlite's objects) takes seconds on a loaded machine even without any
@@ -165,20 +165,17 @@ def _cut_link_run(
 @pytest.mark.netns
 @pytest.mark.timeout(90)
 # World 2 runs with -m slow only (the default suite's budget): world 3 covers the same
-# path (and the same defect) in the default run.
+# path in the default run.
 @pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])
-# Session 3 to 16 this ran as a non-strict xfail: every rank raised its typed error in
-# time, but in about half of the runs a process then did not exit (killed by this test
-# ~25 s later; left alone, up to the kernel's TCP give-up, minutes): UCX destroys a TCP
-# endpoint with a blocking send that retries on a connection whose send queue cannot
-# drain across the cut. Session 17: a failed mesh shuts the write side of exactly those
-# connections before its endpoints go (cgx_ucx.transport.stuck; 5 of 7 runs hung before,
-# 0 of 10 after); tests/test_stuck.py checks which connections count as stuck. A rank
-# that exits without closing hung the same way in 4 of 7 runs (ucxx's finalizers at exit)
-# and 0 of 5 once a failed mesh also releases them at exit (stuck.release_at_exit).
+# UCX destroys a TCP endpoint with a blocking send that retries while the connection's send
+# queue cannot drain, which across the cut lasts until the kernel's TCP give-up (minutes).
+# So a failed mesh shuts the write side of exactly those connections before its endpoints
+# go (cgx_ucx.transport.stuck), and releases them at exit for a rank that exits without
+# closing (stuck.release_at_exit, before ucxx's finalizers). tests/test_stuck.py checks
+# which connections count as stuck; the exit bound here checks that no process hangs.
 @pytest.mark.parametrize("close", [True, False], ids=["close", "no-close"])
 def test_link_cut_between_namespaces_fails_every_rank_fast(world: int, close: bool) -> None:
-    """Issue 13: UCX never reports a silently cut link, so the per-wait deadline must:
+    """UCX never reports a silently cut link, so the per-wait deadline must:
     every rank raises a typed error within timeout + status query + slack of the cut, the
     error says the peer behind the cut did not answer (or is gone), never that it is alive,
     and close() and process exit follow within ~2 s (exit alone, for ranks that let the
@@ -209,7 +206,7 @@ def test_link_cut_between_namespaces_fails_every_rank_fast(world: int, close: bo
             assert "did not answer" in text or "is gone" in text or "aborted" in text, res
     # The victim's peers name it: directly, through an ABORT naming it, or through the
     # STATUS answer of a live neighbour that waits on it (the neighbour of the cut may
-    # time out on that neighbour first; CI, session 17).
+    # time out on that neighbour first).
     for res in results[:victim]:
         assert res["peer"] == victim or f"rank {victim}" in res["text"], res
 
@@ -253,14 +250,14 @@ async def cold_first_allreduce(ctx):
     [
         pytest.param((0, 1), id="both-cold"),
         # Rank 0 keeps the default on-disk cache (warm once anything compiled the current
-        # codec): the skewed case of the issue, one rank waiting for the other's compile.
+        # codec): the skewed case, one rank waiting for the other's compile.
         pytest.param((1,), id="one-cold"),
     ],
 )
 def test_cold_kernel_cache_with_short_timeout(cold_ranks: tuple[int, ...]) -> None:
-    """Issue 13 (item 5): a first call compiling kernels for 24 s with timeout=10 made
-    every rank raise an error naming a live peer. Local work (the codec's compile) must
-    not run inside a peer's deadline: the first compressed allreduce succeeds."""
+    """Local work (the codec's compile on an empty Numba cache) does not run inside a
+    peer's deadline: a first compressed allreduce whose compile outlasts the per-wait
+    timeout succeeds, and no rank blames a live peer for it."""
     with tempfile.TemporaryDirectory(prefix="cgxchaos-numba-") as cache:
 
         def env(rank: int) -> dict[str, str]:

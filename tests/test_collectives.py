@@ -79,8 +79,8 @@ async def warm_up_at_connect(ctx):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [1, 3])
 def test_connect_warms_up_outside_the_callers_numbering(world):
-    """connect runs one compressed allreduce (issue 10: the first call of a process paid
-    for first runs), at sequence number 0 on every rank: the caller's first collective
+    """connect runs one compressed allreduce, so that the caller's first call does not pay
+    for first runs, at sequence number 0 on every rank: the caller's first collective
     is still #1, and the statistics count none of the warm-up's traffic. A one-host group
     runs it once more through its node-local mailboxes, also at 0."""
     results = run_ranks(warm_up_at_connect, world, timeout=100)

@@ -96,7 +96,7 @@ def test_runs_from_a_shell():
 
 
 def test_the_secret_is_never_printed(monkeypatch):
-    """The report is meant for bug reports: CGX_UCX_SECRET is masked (review)."""
+    """The report is meant for bug reports: CGX_UCX_SECRET is masked."""
     from cgx_ucx import diagnostics
 
     monkeypatch.setenv("CGX_UCX_SECRET", "hunter2")

@@ -66,8 +66,8 @@ def test_run_timeout_and_errors_and_restart():
 
 
 def test_a_timeout_raised_inside_the_coroutine_is_typed():
-    """A TimeoutError escaping the coroutine was taken for the wait's own timeout and
-    formatted with timeout=None (a TypeError; review). It is a CGXTimeoutError now."""
+    """A TimeoutError escaping the coroutine is not taken for the wait's own timeout (here
+    there is none): it is raised as a CGXTimeoutError saying it timed out inside."""
     import asyncio
 
     from cgx_ucx.engine import Engine

@@ -44,8 +44,8 @@ def _torchrun(*args: str) -> list[str]:
 
 
 #: How a gloo job (the reference run) sometimes ends after it finished: a C++ abort at
-#: interpreter exit, seen in 1-2 of 5-10 runs of examples/fsdp2_cgx.py --backend gloo when
-#: ml_dtypes is imported (0 of 12 without it; session 11). Not ours to fix here.
+#: interpreter exit of examples/fsdp2_cgx.py --backend gloo when ml_dtypes is imported.
+#: It is outside this project, so the reference run is retried once.
 _GLOO_EXIT_ABORT = "terminate called without an active exception"
 
 
@@ -128,7 +128,7 @@ def test_multinode_torchrun_two_nodes_on_one_host() -> None:
 
 
 def test_short_job_exits_clean_every_time() -> None:
-    """issue 12: a 2-rank cgx job that finishes exits 0 (tests/clean_exit_loop.py; the
+    """A 2-rank cgx job that finishes exits 0 (tests/clean_exit_loop.py; the
     full check is ``python tests/clean_exit_loop.py --runs 100``)."""
     runs = 3
     proc = subprocess.run(

@@ -1,4 +1,4 @@
-"""The first compressed call of a process (issue 10): with an EMPTY Numba cache (a fresh
+"""The first compressed call of a process: with an EMPTY Numba cache (a fresh
 install) and a short peer deadline, the run must not fail: connect() compiles the codec
 on a thread while it connects and returns only once every rank's kernels are loaded, so
 no compile runs inside a peer's deadline."""

@@ -1,4 +1,4 @@
-"""HostRun (the mailbox allreduce's codec, issue 10): the same bytes and the same sums as
+"""HostRun (the mailbox allreduce's codec): the same bytes and the same sums as
 the generic per-segment path (encode_piece / decode_add_piece) for every dtype, mixed
 layouts with uncompressed layers, both roundings, unaligned and read-only buffers; and
 the same CodecError for bytes that are not a run of its layout."""
@@ -91,8 +91,9 @@ def test_bytes_not_of_the_layout_are_codec_errors_and_leave_acc_alone():
 
 
 def test_buffers_of_another_kind_are_codec_errors_not_wrong_sums():
-    """Review (session 12): an int8 view of a valid run decoded to wrong sums, a strided
-    one raised ValueError, bytes an AttributeError; now the same answers as decode_add."""
+    """Bytes-like runs decode to the same sums as the array; a run that is not contiguous
+    uint8 (an int8 view, a strided one), a wrong accumulator or output, and a wrong input
+    dtype are CodecErrors that leave the accumulator untouched."""
     spec = one_piece_spec([1000], 4, False)
     x = np.linspace(-1, 1, 1000, dtype=np.float32)
     good = reference(spec, x)

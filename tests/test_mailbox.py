@@ -1,4 +1,4 @@
-"""Node-local mailboxes (issue 10): small collectives of a one-host group go through shared
+"""Node-local mailboxes: small collectives of a one-host group go through shared
 memory instead of messages. Checked in spawned ranks under deadlines: results equal the
 message path's bit for bit, replicas are bit-identical, and every failure (a mismatch, a
 call that one rank runs over the network, a dead, closed or late peer) is a typed error
@@ -382,12 +382,12 @@ def test_mailbox_post_and_read_back():
         b.close()
 
 
-# -- review findings (session 11) ------------------------------------------------------
+# -- a stuck peer, a close from another thread, disagreeing settings -----------------------
 
 
 def stuck_peer_job(ctx):
     """Rank 1 is alive but never calls again: every call of rank 0 must end typed, also
-    the third, whose slot rank 1 never released (it blocked forever, the lock held)."""
+    the third, whose slot rank 1 never released (waiting for a slot is bounded too)."""
     comm = connect_sync(ctx.store, ctx.rank, ctx.world_size, config=CommConfig(timeout=2.0))
     comm.barrier().result(10)
     if ctx.rank == 1:

@@ -333,7 +333,7 @@ async def main():
             r = np.arange(n, dtype=np.float32) * (rank + 1)
             want = np.arange(n, dtype=np.float64) * world * (world + 1) / 2
             await asyncio.wait_for(comm.allreduce(r, op="sum", bits=bits, bucket_size=1024), 20)
-            # CGX's bound (issue 4): each rank's slope is at most `world`.
+            # CGX's bound: each rank's slope is at most `world`.
             bound = 2 * world * 1024 / (2**bits - 1) * world * (world + 1)
             err = float(np.max(np.abs(r - want)))
             assert err < bound, (bits, err, bound)
@@ -372,7 +372,7 @@ def _row(method: str, size: int, time_s: float, tx: float | None, **extra: objec
 
 
 def test_benchmark_refuses_traffic_that_did_not_cross_the_link() -> None:
-    from cgx_ucx.bench.link import _verify
+    from cgx_ucx.bench.link_checks import verify_allreduce as _verify
 
     link = LinkEmulator(2, "1gbit", prefix=PREFIX)  # not started: only its settings are read
     honest = netns.TcpMeasurement(0, 1, 119_000_000, 1.0, link.rate_bps)
@@ -578,7 +578,7 @@ def test_flat_allreduce_on_two_nodes_crosses_the_link(force_tcp: bool) -> None:
     assert min(sent) >= 0.95 * nbytes, (sent, local)
 
 
-# ------------------------------------------------------------------ issue 11: two levels
+# ------------------------------------------------------------------ hierarchical: two levels
 
 _TORCHRUN_RANK = """
 import datetime, hashlib, logging, os, sys

@@ -1,6 +1,6 @@
 """cgx_ucx.transport.stuck: which TCP connections a failed mesh releases before UCX's
-teardown (a blocking send on a connection that cannot drain hung process exit after a
-link cut; tests/test_chaos.py runs that end to end).
+teardown (its blocking send on a connection that cannot drain would hold process exit
+after a link cut; tests/test_chaos.py runs that end to end).
 
 Both sides are real kernel connections: a peer that only stopped reading (loopback, a
 zero window) must never count as stuck; one whose link went down (two network

@@ -127,8 +127,7 @@ def test_inconsistent_launcher_variables_are_an_error() -> None:
 
 def test_a_subgroup_holding_some_ranks_of_each_node() -> None:
     """``dist.new_group(ranks=...)`` under torchrun: the launcher's variables describe the
-    job, the group holds some ranks of a node (found by the adversarial review: such
-    groups raised ConfigError)."""
+    job, the group holds some ranks of a node: a valid topology, not a ConfigError."""
     # Job of 2 nodes x 4; the group is local ranks 1 and 3 of each node.
     t = Topology.from_hints(
         [_launcher(0, 1, 4), _launcher(0, 3, 4), _launcher(1, 1, 4), _launcher(1, 3, 4)]

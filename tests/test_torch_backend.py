@@ -65,8 +65,7 @@ def _exact_ops(rank: int, world: int, store: Any) -> None:
         dist.all_reduce(b, op=dist.ReduceOp.BOR)
         assert bool(b.all())
 
-    # Unsigned types torch has no max/min for (a raw NotImplementedError after the
-    # gather before; review, session 10): reduced on the host with NumPy.
+    # Unsigned types torch has no max/min for: reduced on the host with NumPy.
     for dtype in (torch.uint16, torch.uint32, torch.uint64):
         u = torch.tensor([rank * 7 + 1, 60000 - rank, 3], dtype=dtype)
         dist.all_reduce(u, op=dist.ReduceOp.MAX)
@@ -138,7 +137,7 @@ def _exact_ops(rank: int, world: int, store: Any) -> None:
     else:
         raise AssertionError("integer AVG must be refused")
     try:
-        # Point-to-point exists since issue 12; a tag outside its range is refused.
+        # A point-to-point tag outside its range is refused.
         dist.send(torch.ones(1), dst=(rank + 1) % world, tag=1 << 20)
     except CGXError:
         pass
@@ -169,8 +168,8 @@ def _subgroups_under_torchrun(rank: int, world: int, store: Any) -> list[float]:
 
 @pytest.mark.timeout(120)
 def test_subgroups_of_some_ranks_of_a_node_under_torchrun() -> None:
-    """A cgx subgroup holding some of a node's ranks, launched as torchrun does (found by
-    the adversarial review: it raised ConfigError about LOCAL_WORLD_SIZE)."""
+    """A cgx subgroup holding some of a node's ranks, launched as torchrun does (its
+    variables describe the node, not the group), reduces within the subgroup."""
     assert run_torch_ranks(_subgroups_under_torchrun, 3, timeout=110) == [[4.0], [2.0], [4.0]]
 
 
@@ -208,8 +207,7 @@ def _one_rank_argument_error(rank: int, world: int, store: Any) -> list[str]:
         ),
         # all_gather: one rank passes a list of the wrong length
         lambda: dist.all_gather([torch.empty(2) for _ in range(world + rank)], torch.ones(2)),
-        # scatter: the root's inputs differ in size (torch.stack refused them, uncaught:
-        # the root's retry then paired with the peers' first call; review, session 10)
+        # scatter: the root's inputs differ in size (refused on the root, like the others)
         lambda: dist.scatter(
             torch.empty(2),
             [torch.ones(2 + i) for i in range(world)] if rank == 0 else None,
@@ -235,7 +233,7 @@ def _one_rank_argument_error(rank: int, world: int, store: Any) -> list[str]:
 def test_an_argument_error_on_one_rank_fails_the_others_at_once() -> None:
     """A ConfigError the backend finds on one rank, before the call starts, refuses that
     call on the engine: the peers raise CollectiveMismatchError at once instead of
-    waiting out the 30 s timeout (found by the adversarial review for gather)."""
+    waiting out the 30 s timeout."""
     seen = run_torch_ranks(_one_rank_argument_error, 2, timeout=110)
     kinds = [[s.split()[0] for s in rank] for rank in seen]
     assert kinds == [
@@ -267,8 +265,8 @@ def _monitored_barrier_with_a_late_rank(rank: int, world: int, store: Any) -> st
 
 @pytest.mark.timeout(120)
 def test_monitored_barrier_names_the_late_rank() -> None:
-    """As gloo's: past the timeout, the ranks that did not reach the barrier are named
-    (it raised a bare "barrier did not complete" on rank 0; adversarial review)."""
+    """As gloo's: past the timeout, the ranks that did not reach the barrier are named,
+    and the error says the late rank is alive."""
     late0, late1 = run_torch_ranks(_monitored_barrier_with_a_late_rank, 2, timeout=110)
     assert late0.startswith("CGXTimeoutError peer=1:"), late0
     assert "rank(s) [1] did not reach the barrier within 1 s" in late0, late0
@@ -406,10 +404,9 @@ def _abandoned_receive(rank: int, world: int, store: Any) -> list[str]:
 
 @pytest.mark.timeout(120)
 def test_a_receive_whose_wait_timed_out_fails_its_stream_loudly() -> None:
-    """Review (session 10): an irecv whose wait(timeout) raised stayed posted, took the
-    next message into the abandoned tensor, and every later recv of that (src, tag) got
-    the message after its own, silently. The timed-out receive is cancelled now, and its
-    stream fails with a CGXTimeoutError naming what happened; other tags go on."""
+    """An irecv whose wait(timeout) raised is cancelled, so it never takes a later message
+    into the abandoned tensor; its (src, tag) stream fails with a CGXTimeoutError naming
+    the abandoned receive, and other tags go on."""
     seen = run_torch_ranks(_abandoned_receive, 2, timeout=110)
     assert seen[0] == []
     assert seen[1][0].startswith("CGXTimeoutError") and "abandoned" in seen[1][0], seen
@@ -439,9 +436,9 @@ def _reduce_roots(rank: int, world: int, store: Any) -> list[str]:
 
 @pytest.mark.timeout(120)
 def test_reduce_roots_are_signed() -> None:
-    """Review (session 10): reduce with a different dst per rank ran as an allreduce and
-    nobody noticed (each rank kept or dropped the sum by its own idea of the root); the
-    root is part of the signature now, on the summing and the exact (MAX) path."""
+    """The root is part of a reduce's signature, on the summing and the exact (MAX) path:
+    ranks that pass different dst values get a mismatch naming the root, never a sum kept
+    or dropped by each rank's own idea of the root."""
     seen = run_torch_ranks(_reduce_roots, 2, timeout=110)
     assert seen == [["mismatch root=0"] * 2, ["mismatch root=1"] * 2], seen
 
@@ -458,9 +455,9 @@ assert t.tolist() == [2.0] * 4
 
 @pytest.mark.timeout(120)
 def test_an_exit_without_destroy_says_bye_and_warns_nobody(tmp_path) -> None:
-    """Review (session 10): a job ending without destroy_process_group() said BYE to
-    nobody, and every rank logged a WARNING that its peer was gone. The groups still
-    open are closed at interpreter exit now."""
+    """Process groups still open at interpreter exit are closed then: a job ending without
+    destroy_process_group() says BYE to its peers, and no rank logs a WARNING that its
+    peer is gone."""
     import socket
     import subprocess
     import sys

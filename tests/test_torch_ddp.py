@@ -190,8 +190,8 @@ def _ddp_peer_dies(rank: int, world: int, store: Any) -> str:
 
 @pytest.mark.timeout(120)
 def test_a_lost_peer_inside_the_ddp_hook_names_the_cgx_error() -> None:
-    """Review (session 10): DDP re-raised the hook's failure as "Unable to cast rank 1 is
-    gone ... to Tensor" (torch's Python Future.set_exception stores the error as the
-    value): the hook's future now fails through a then(), and the message names it."""
+    """A hook whose peer is lost fails DDP's backward with the typed error's message: the
+    hook's future fails through a then(), because torch's Python Future.set_exception
+    stores the error as the value (DDP would then say "Unable to cast ... to Tensor")."""
     text = run_torch_ranks(_ddp_peer_dies, 2, timeout=110, expect_dead=[1])[0]
     assert "PeerLostError" in text and "Unable to cast" not in text, text

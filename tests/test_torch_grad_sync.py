@@ -150,7 +150,7 @@ def _accumulation_job(rank: int, world: int, store: Any) -> dict[str, Any]:
         return grads
 
     # Every micro-batch under no_sync(), then synchronize: the accumulated gradients are
-    # averaged (they were zeroed before the fix).
+    # averaged, not zeroed.
     with sync.no_sync():
         backward(10 + rank)
         backward(20 + rank)
@@ -186,10 +186,10 @@ def _accumulation_job(rank: int, world: int, store: Any) -> dict[str, Any]:
 
 @pytest.mark.timeout(150)
 def test_accumulation_repeats_frozen_and_replaced_layers() -> None:
-    """Review (session 10): synchronize() zeroed every gradient when no hook had
-    delivered one since the last call (all micro-batches under no_sync(), or a second
-    call), layers frozen after construction got zero gradients (weight decay moved
-    them), and a replaced layer was silently never averaged."""
+    """synchronize() averages the gradients even when no hook delivered one since the
+    last call (all micro-batches under no_sync(), or a second call); a layer frozen after
+    construction keeps no gradient (so weight decay leaves it alone), and a replaced layer
+    that is not synchronized is an error, never silently left un-averaged."""
     for res in run_torch_ranks(_accumulation_job, 2, timeout=140):
         assert res["no_sync_only"] < 1e-6, res
         assert res["twice"] < 1e-6, res
@@ -334,8 +334,8 @@ def test_error_feedback_of_a_parameter_no_rank_used_is_kept() -> None:
 @pytest.mark.parametrize("find_unused", [False, True])
 def test_a_synchronize_repeated_after_an_error_still_averages(find_unused: bool) -> None:
     """A failed synchronize() (here a mismatch of its first bucket) repeated without a new
-    backward averages the gradients, with find_unused_parameters too (review, session 15:
-    its flags were cleared by the error, so the retry left every gradient un-averaged)."""
+    backward averages the gradients, with find_unused_parameters too: the used-parameter
+    flags survive the error for the retry."""
     import concurrent.futures
 
     import torch

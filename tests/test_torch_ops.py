@@ -214,7 +214,7 @@ def unsupported(rank, world, store):
     for call in (
         lambda: dist.all_reduce(sparse),
         lambda: dist.send(torch.zeros(1), (rank + 1) % world, tag=1 << 20),
-        # an expanded (stride 0) view: refused before the call, not after it ran (review)
+        # an expanded (stride 0) view: refused before the call, not after it ran
         lambda: dist.all_reduce(torch.ones(1).expand(5)),
     ):
         try:

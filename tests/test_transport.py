@@ -139,7 +139,7 @@ def test_random_bytes_only_ever_raise_protocol_error(data):
         Frame.unpack(data, job=1)
 
 
-# -- inline payloads (issue 10) --------------------------------------------------------
+# -- inline payloads ----------------------------------------------------------------------
 
 
 def _received(message: np.ndarray) -> np.ndarray:
@@ -474,7 +474,8 @@ def test_default_host_unwraps_prefix_stores(monkeypatch):
     import datetime
 
     torch_dist = pytest.importorskip("torch.distributed")
-    from cgx_ucx.transport.mesh import _default_host, store_host
+    from cgx_ucx.transport.rendezvous import default_host as _default_host
+    from cgx_ucx.transport.rendezvous import store_host
 
     addr = _non_loopback_address()
     if addr is None:
@@ -529,9 +530,9 @@ def test_release_keeps_a_context_that_is_still_referenced():
 
 
 def test_flat_allreduce_pieces_grow_for_large_chunks():
-    """Session 10: per-piece costs (a rendezvous per message, a codec hand-off) made 4 MiB
-    pieces 10% slower than 8 MiB ones for 64 MiB on 2 ranks; pieces grow to twice the
-    base while every chunk keeps at least MIN_PIECES of them to overlap."""
+    """Per-piece costs (a rendezvous per message, a codec hand-off) favour larger pieces
+    for large chunks: pieces grow to twice the base while every chunk keeps at least
+    MIN_PIECES of them to overlap."""
     from cgx_ucx.collectives.allreduce import prepare_allreduce
     from cgx_ucx.collectives.plan import MIN_PIECES, PIECE_BYTES, PIECE_GROWTH, flat_piece_bytes
 
@@ -547,9 +548,9 @@ def test_flat_allreduce_pieces_grow_for_large_chunks():
 
 
 def test_env_rendezvous_under_torchrun_agent_joins_its_store(monkeypatch):
-    """Review (session 10): under torchrun (TORCHELASTIC_USE_AGENT_STORE=True) every rank
-    0 tried to serve the agent's store and logged a failed bind; it joins it as a client
-    now, under the restart's prefix, as torch's own env:// does."""
+    """Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True) rank 0 joins the agent's store
+    as a client, under the restart's prefix, as torch's own env:// does, instead of
+    trying to serve it."""
     import datetime
 
     pytest.importorskip("torch")
@@ -574,8 +575,7 @@ def test_env_rendezvous_under_torchrun_agent_joins_its_store(monkeypatch):
 def test_a_status_answer_names_the_peers_this_rank_waits_on():
     """A rank asked for its status says whom it waits on, the longest wait first: behind
     a cut link, the rank next to the cut times out first on a neighbour that is alive
-    and itself waiting, and only this names the rank behind the cut (issue 13's
-    link-cut run, CI session 17)."""
+    and itself waiting, and only this names the rank behind the cut."""
     from cgx_ucx.transport.frames import Frame
     from cgx_ucx.transport.status import MAX_WAITS_TOLD, Activity, PeerStatus
 

@@ -1,4 +1,4 @@
-"""Trust across processes (issue 13): a process that can read the store must not inject
+"""Trust across processes: a process that can read the store must not inject
 data into a job, join it without the out-of-band secret, or disturb it; communicator
 ids never collide, however many communicators a job makes."""
 
@@ -29,9 +29,9 @@ async def _key(store, key, timeout=40.0):
         await asyncio.sleep(0.01)
 
 
-def _old_tag(comm: int, seq: int, src: int, phase: int, slot: int, payload: bool) -> int:
-    """The tag layout before issue 13 (communicator 12 | seq 20 | src 12 | phase 4 |
-    slot 15 | payload 1), which a store reader could compute."""
+def _unkeyed_tag(comm: int, seq: int, src: int, phase: int, slot: int, payload: bool) -> int:
+    """A tag laid out without a secret (communicator 12 | seq 20 | src 12 | phase 4 |
+    slot 15 | payload 1): one that a store reader can compute."""
     t = comm
     t = (t << 20) | (seq & 0xFFFFF)
     t = (t << 12) | src
@@ -81,8 +81,8 @@ async def _inject(ctx, foreign_job: bool) -> int:
                     count=1,
                 ).pack()
                 guesses = [structured_tag(seq, phase, slot, False)]
-                old_comm = struct.unpack_from("<H", raw, 8)[0] & 0xFFF  # the 12 random bits
-                guesses += [_old_tag(c, seq, 1, phase, slot, False) for c in (comm, old_comm)]
+                token_bits = struct.unpack_from("<H", raw, 8)[0] & 0xFFF  # 12 random bits
+                guesses += [_unkeyed_tag(c, seq, 1, phase, slot, False) for c in (comm, token_bits)]
                 for tag in guesses:
                     hb = np.frombuffer(head, np.uint8).copy()
                     sends.append(asyncio.ensure_future(ep.send(hb, tag=tag, force_tag=True)))
@@ -122,10 +122,9 @@ async def injection(ctx, foreign_job):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("foreign_job", [False, True], ids=["job-token", "foreign-job"])
 def test_injected_data_frames_are_never_accepted(foreign_job):
-    """Issue 13: a store reader posting DATA frames for future sequence numbers as rank 1
-    made rank 0's next allreduce return 1001.0 instead of 3.0 (member job id), or killed
-    the job blaming the live rank 1 (foreign job id). The injected frames are on tags no
-    receive matches (secret per-pair prefixes), so the job goes on, correct."""
+    """A store reader posting DATA frames as rank 1 for future sequence numbers, with the
+    job's id or a foreign one, changes no result and fails no rank: the injected frames
+    are on tags no receive matches (secret per-pair prefixes), so the job goes on."""
     results = run_ranks(
         injection, 3, args=(foreign_job,), timeout=110, check=False, env=MESSAGES_ONLY
     )
@@ -134,7 +133,7 @@ def test_injected_data_frames_are_never_accepted(foreign_job):
         assert r.value == ["correct"] * 4, r.value
 
 
-# -- inline payloads (issue 10): forged by a member, and mismatches -----------------------
+# -- inline payloads: forged by a member, and mismatches ----------------------------------
 
 #: How rank 1 (holding the pair key, so its frames pass the keyed check) lies about an
 #: inline payload on the header of rank 0's next one-round allreduce (100 float32).

@@ -6,9 +6,9 @@ Keys are test names of torch's ``DistributedTest._DistTestBase`` (torch 2.13). K
   checks gloo's own messages/profiler names); not a gap in cgx.
 - ``COMPRESSION``: an exact-equality test, listed only for runs with compression on
   (``bits < 32``); quantized SUM/AVG is within the codec's bound, not bit-equal to gloo.
-- ``MISSING_OP``: the op is not implemented by the cgx backend yet (issue 12). These are
-  the work list; each entry names the op. Remove the entry when the op lands: the CI
-  test fails on a listed test that passes.
+- ``MISSING_OP``: the op is not implemented by the cgx backend. Each entry names the op;
+  remove it when the op is implemented: tests/test_torch_suite.py fails on a listed test
+  that passes.
 - ``FLAKY``: passes and fails from run to run on both backends (not checked for staleness).
 
 ``worlds``: the world sizes where the entry applies (None: all).
@@ -37,7 +37,7 @@ def _gloo(reason: str) -> Entry:
 
 
 def _missing(op: str, worlds: tuple[int, ...] | None = None) -> Entry:
-    return Entry(MISSING_OP, f"missing op: {op} - issue 12", worlds)
+    return Entry(MISSING_OP, f"{MISSING_OP}: {op}", worlds)
 
 
 _GET_FUTURE = _gloo(
@@ -60,9 +60,8 @@ _TIMEOUT = _gloo(
 )
 
 PARITY: dict[str, Entry] = {
-    # -- missing ops (issue 12): none left. send/recv/isend/irecv, recv from any source and
-    # all_gather_coalesced were listed here (17 tests at world 2) until fc5cc02 implemented
-    # them; they pass at world 2 and 3. Add new ones as _missing("op") entries.
+    # -- missing ops: none (point-to-point, recv from any source and all_gather_coalesced
+    # pass at world 2 and 3). Add new ones as _missing("op") entries.
     # -- hard-wired to the name "gloo" in torch's distributed_test.py (skip on cgx)
     "test_all_reduce_coalesced_sum": _COALESCED,
     "test_all_reduce_coalesced_product": _COALESCED,

@@ -8,8 +8,8 @@ machine on every backend.
 "ci" (run at world size 2; "ci3", its part where a third rank matters, at 3) is a fixed
 representative subset that fits the test command's time budget: each
 family of collective once (plain, subgroup and full-group forms), point-to-point, subgroup
-creation, object collectives, and a few CPU DDP training tests, plus the ops issue 12 added
-(point-to-point, any-source recv, all_gather_coalesced).
+creation, object collectives, a few CPU DDP training tests, any-source recv and
+all_gather_coalesced.
 
 torch 2.13 runs its ``*_group`` tests (a subgroup of ranks 1 and 2) only at world size 8
 or more (``skip_if_small_worldsize``), on gloo as on cgx; at 2 and 3 subgroups are
@@ -35,7 +35,7 @@ CI: tuple[str, ...] = (
     "test_gather",
     "test_scatter_full_group",
     "test_barrier",
-    # the ops issue 12 added (point-to-point, any-source recv, all_gather_coalesced)
+    # point-to-point, any-source recv, all_gather_coalesced
     "test_all_gather_coalesced_simple",
     "test_send_recv",
     "test_send_recv_any_source",
