@@ -128,7 +128,7 @@ def train(
     per_rank = len(ytr) // world
     steps_per_epoch = per_rank // batch_size
     # One-cycle schedule: the run ends converged, so the final accuracy is a stable
-    # measure (with a constant rate it moved by +-1.5 points between seeds here).
+    # measure (with a constant rate it varies by more than a point between seeds).
     sched = torch.optim.lr_scheduler.OneCycleLR(
         opt, max_lr=lr, total_steps=epochs * steps_per_epoch
     )
