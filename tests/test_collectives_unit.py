@@ -599,8 +599,8 @@ def test_status_calls_bracket_every_collective():
 
 
 def test_error_messages_name_a_point_to_point_message_as_such():
-    """A p2p receive that times out was described as "phase 8 piece <tag> of collective
-    #<n>" (adversarial review); frames of collectives keep their description."""
+    """A p2p receive is described as a point-to-point message on its tag, not as a piece
+    of a collective; frames of collectives keep their description."""
     from cgx_ucx.collectives.p2p import PH_P2P
     from cgx_ucx.transport.frames import describe_slot
 
@@ -702,11 +702,11 @@ def test_uneven_alltoall_is_exact(world):
 @pytest.mark.parametrize("delta", [1, -1])
 def test_alltoall_counts_that_differ_fail_both_ranks_of_the_pair(world, liar, delta):
     """Rank 0's send count to rank 1 and rank 1's receive count from rank 0 differ (one
-    of the two is off by ``delta``). Before, only the receiver raised: the sender had
-    finished its sends and receives before the receiver's ABORT came, and returned.
-    Now both ranks of the pair raise CollectiveMismatchError naming the ranks and both
-    counts (the same words on both), before any data moved; a third rank fails too (the
-    pair's ABORT: it waits for their blocks); the next call works on every rank."""
+    of the two is off by ``delta``). Both ranks of the pair raise CollectiveMismatchError
+    naming the ranks and both counts (the same words on both), before any data moved, so
+    the sender cannot finish and return before the receiver's ABORT comes; a third rank
+    fails too (the pair's ABORT: it waits for their blocks); the next call works on every
+    rank."""
 
     async def body(comm):
         r = comm.rank

@@ -173,7 +173,7 @@ def test_work_wait_raises_the_collective_error() -> None:
 @pytest.mark.timeout(30)
 def test_work_of_a_finished_engine_call_hands_out_its_result_and_error() -> None:
     """A Work made from a done engine future (every mailbox call) makes its torch future
-    only when asked (issue 10): the value, the error and the chained callbacks still
+    only when asked: the value, the error and the chained callbacks still
     arrive as for a pending one, and the future is the same object on every ask."""
     t = torch.ones(3)
     done: concurrent.futures.Future[int] = concurrent.futures.Future()
@@ -212,7 +212,7 @@ def test_work_of_a_finished_engine_call_hands_out_its_result_and_error() -> None
 @pytest.mark.timeout(30)
 def test_allreduce_into_hands_a_call_done_here_to_its_work_without_a_future() -> None:
     """The engine's allreduce_now returns a call that completed on the calling thread as
-    its value (no future made, issue 10): the Work completes from it; a pending call
+    its value (no future made): the Work completes from it; a pending call
     still comes as its future, and a communicator of the protocol (allreduce only)
     still works."""
 
@@ -360,7 +360,8 @@ def test_split_state_refuses_bad_checkpoints() -> None:
 @pytest.mark.timeout(30)
 def test_work_of_a_cancelled_engine_call_raises_a_typed_error() -> None:
     """destroy_process_group with async work pending cancels the engine's calls; waiting
-    on their Work raised a bare concurrent.futures.CancelledError (adversarial review)."""
+    on their Work raises a CGXError saying the engine shut down, not a bare
+    concurrent.futures.CancelledError."""
     from cgx_ucx.errors import CGXError
 
     src: concurrent.futures.Future[int] = concurrent.futures.Future()
@@ -374,7 +375,7 @@ def test_work_of_a_cancelled_engine_call_raises_a_typed_error() -> None:
 
 
 def test_a_sum_of_a_dtype_the_engine_cannot_add_names_the_dtype() -> None:
-    """It said "does not support reduce op SUM" for uint16 (adversarial review)."""
+    """The error for a SUM the engine cannot do names the dtype (uint16), not the op."""
     import torch.distributed as dist
 
     from cgx_ucx.torch.ops import _local_kind
@@ -385,8 +386,8 @@ def test_a_sum_of_a_dtype_the_engine_cannot_add_names_the_dtype() -> None:
 
 
 def test_gradient_sync_refuses_bad_arguments_before_touching_a_group() -> None:
-    """A list as compression_params raised TypeError, timeout=-1 was accepted
-    (adversarial review): ConfigErrors now, before any process group is looked up."""
+    """A list as compression_params, a negative or a non-number timeout: ConfigErrors,
+    raised before any process group is looked up."""
     from cgx_ucx.torch import GradientSync
 
     model = torch.nn.Linear(4, 4)
