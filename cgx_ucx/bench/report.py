@@ -1,10 +1,12 @@
 """Shared output of the benchmarks: where results go, progress bars, a plain-text table on
-the terminal and a JSON record.
+the terminal and a JSON record with its provenance.
 
 Results go to the directory the user names (``--out-dir``), else to a new
 ``./cgx_bench_results/<timestamp>/`` under the current directory: never into the
 installed package, and never over the tracked ``benchmarks/results/`` of a checkout, which
-only ``--refresh-tracked`` writes (the lead's recorded figures that the README quotes).
+only ``--refresh-tracked`` writes, into the folder of this machine's class
+(``benchmarks/results/cpu-2core/``: :func:`cgx_ucx.bench.provenance.machine_class`). The
+docs' benchmark page is rendered from those files (``python -m cgx_ucx.bench report``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any, NoReturn, TextIO
 
 from ..arrays import check_bits
 from ..errors import ConfigError
+from . import provenance
 
 __all__ = [
     "DEFAULT_RESULTS_ROOT",
@@ -234,15 +237,17 @@ def add_output_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--refresh-tracked",
         action="store_true",
-        help="write the checkout's tracked benchmarks/results/ (the figures the README quotes)",
+        help="write the checkout's tracked benchmarks/results/<machine class>/ (the figures "
+        "the docs render)",
     )
 
 
 def results_dir(args: argparse.Namespace) -> Path:
-    """Where this run writes: ``--refresh-tracked``, else ``--out-dir``, else a new
-    directory under ``./cgx_bench_results/``."""
+    """Where this run writes: ``--refresh-tracked`` (the checkout's
+    ``benchmarks/results/<machine class>/``), else ``--out-dir``, else a new directory under
+    ``./cgx_bench_results/``."""
     if getattr(args, "refresh_tracked", False):
-        return tracked_results_dir()
+        return tracked_results_dir() / provenance.machine_class()
     out = getattr(args, "out_dir", None)
     return Path(out) if out else default_results_dir()
 
@@ -308,6 +313,8 @@ def progress(
 
 
 def machine_info() -> dict[str, Any]:
+    """Host name, architecture, Python, logical cores and local time: the short ``machine``
+    record of a result (its ``provenance`` holds the rest)."""
     return {
         "host": platform.node(),
         "machine": platform.machine(),
@@ -336,11 +343,18 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def write_json(name: str, record: dict[str, Any], out_dir: str | Path | None = None) -> Path:
-    """Write ``record`` (plus machine info) to ``<out_dir>/<name>.json`` (default: a new
-    ``./cgx_bench_results/<timestamp>/``); returns the path."""
+    """Write ``record`` to ``<out_dir>/<name>.json`` (default: a new
+    ``./cgx_bench_results/<timestamp>/``) with the machine info and the ``provenance`` block
+    (:func:`cgx_ucx.bench.provenance.collect`: command, commit, date, host, versions, load
+    before and after); returns the path. Every benchmark writes its result through here."""
     out = Path(out_dir) if out_dir else default_results_dir()
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
-    payload = {"benchmark": name, "machine": machine_info(), **record}
+    payload = {
+        "benchmark": name,
+        "machine": machine_info(),
+        "provenance": provenance.collect(),
+        **record,
+    }
     path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
     return path
