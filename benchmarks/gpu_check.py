@@ -8,7 +8,8 @@
    median of ``--repeat`` after warm-up). GB/s are bytes of float32 input per second; the
    copy's GB/s is the bytes copied per second (it reads and writes them).
 
-Prints a table and writes ``gpu_codec.json`` under ``--out`` (default benchmarks/results).
+Prints a table and writes ``gpu_codec.json`` (with its provenance) under ``--out`` (default:
+``benchmarks/results/<machine class>/`` of this checkout, e.g. ``h200-16core/``).
 Exit status 1 when any GPU bytes differ from the CPU's.
 """
 
@@ -29,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(REPO))
 
+from cgx_ucx.bench.provenance import machine_class  # noqa: E402
 from cgx_ucx.bench.report import format_table, write_json  # noqa: E402
 from cgx_ucx.compression import decode, decode_add, encode, encoded_nbytes  # noqa: E402
 
@@ -114,7 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bits", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--bucket", type=int, default=1024)
     ap.add_argument("--repeat", type=int, default=20)
-    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    ap.add_argument(
+        "--out",
+        default=str(REPO / "benchmarks" / "results" / machine_class()),
+        help="results folder (default: benchmarks/results/<machine class>/)",
+    )
     args = ap.parse_args(argv)
 
     import cupy as cp

@@ -8,7 +8,9 @@
 #    the torch backend and DDP hook on CUDA tensors (tests/test_torch_cuda.py, when torch
 #    is installed),
 # 3. prints GPU encode/decode/decode_add throughput next to a device-to-device copy and
-#    writes benchmarks/results/gpu_codec.json (+ gpu_tests.txt); copies both to $OUT when set.
+#    writes benchmarks/results/<machine class>/gpu_codec.json (+ gpu_tests.txt; the class
+#    names the GPU and the cores, e.g. h200-16core); copies both to $OUT when set. Then
+#    `python -m cgx_ucx.bench report` puts the figures on docs/benchmarks.md.
 # The package runs from this checkout (PYTHONPATH), nothing is installed for it.
 # PYTHON selects the interpreter (default: python3); WHEELHOUSE a folder of wheels to
 # install from instead of the index (machines without network). Exit status: non-zero if
@@ -16,8 +18,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
-RESULTS=benchmarks/results
-mkdir -p "$RESULTS"
 echo "== python: $($PY -c 'import sys; print(sys.executable, sys.version.split()[0])')"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 
@@ -46,6 +46,8 @@ if ! $PY -c "import cupy; cupy.cuda.nvrtc.getVersion()" 2>/dev/null; then
   $PY -m pip install --quiet nvidia-cuda-nvrtc-cu12 || { echo "no NVRTC for CuPy"; exit 3; }
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+RESULTS="benchmarks/results/$($PY -c 'from cgx_ucx.bench.provenance import machine_class; print(machine_class())')"
+mkdir -p "$RESULTS"
 
 echo "== tests (CGX_UCX_REQUIRE_GPU=1)"
 # -m gpu: the GPU cases of the codec tests (the cupy side of the shared xp bodies and the
