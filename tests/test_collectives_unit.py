@@ -37,7 +37,7 @@ from cgx_ucx.errors import (
 )
 from cgx_ucx.layout import LayerSpec, Layout
 from cgx_ucx.transport.frames import FRAME_NBYTES, AbortCode, Algo, Frame, Kind
-from cgx_ucx.transport.mesh import TransportStats
+from cgx_ucx.transport.stats import TransportStats
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -23,7 +23,7 @@ from ..config import NO_COMPRESSION_BITS
 from ..errors import ConfigError
 from ..layout import Layout
 from ..transport.frames import MIXED_BITS, Algo, Coll, Frame, Op
-from ..transport.mesh import MAX_SLOTS
+from ..transport.handshake import MAX_SLOTS
 from .call import Call, make_template, signed_root
 from .hierarchical import hierarchical, hierarchical_scheme, hierarchical_spec
 from .oneshot import oneshot

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..arrays import check_root
 from ..transport.frames import Algo, Coll, Frame
-from ..transport.mesh import MAX_SLOTS
+from ..transport.handshake import MAX_SLOTS
 from .call import PH_DATA, Call, gather_or_cancel, make_template
 from .plan import PIECE_BYTES
 from .staging import as_flat, byte_view, synchronize

@@ -37,7 +37,7 @@ from ..transport.frames import (
     dtype_code,
     dtype_from_code,
 )
-from ..transport.mesh import MAX_SLOTS
+from ..transport.handshake import MAX_SLOTS
 from .piece_codec import CodecRunner
 from .staging import BufferPool, byte_view
 from .transport import Transport

@@ -55,7 +55,7 @@ from ..errors import ConfigError, ProtocolError
 from ..layout import LayerSpec, Layout
 from ..transport import shm
 from ..transport.frames import Algo
-from ..transport.mesh import MAX_SLOTS
+from ..transport.handshake import MAX_SLOTS
 from ..transport.topology import HierarchyConfig, Topology
 from .call import PH_SIG, Call, cancel_pending, gather_or_cancel
 from .piece_codec import decode_add_piece

@@ -33,7 +33,7 @@ import numpy as np
 from ..config import CommConfig
 from ..errors import CGXTimeoutError, CollectiveMismatchError, ConfigError, ProtocolError
 from ..transport.frames import PH_P2P, Coll, Frame
-from ..transport.mesh import MAX_SLOTS
+from ..transport.handshake import MAX_SLOTS
 from .call import describe, make_template
 from .staging import as_flat, byte_view, synchronize
 from .transport import Transport

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..errors import CGXError, ConfigError
 from ..transport.frames import AbortCode, Frame
-from ..transport.mesh import TransportStats
+from ..transport.stats import TransportStats
 from .call import Call, describe
 from .transport import Transport
 

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from ..errors import CGXError
 from ..transport.frames import AbortCode, Frame
-from ..transport.mesh import TransportStats
+from ..transport.stats import TransportStats
 
 __all__ = ["Transport"]
 

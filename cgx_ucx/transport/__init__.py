@@ -22,8 +22,9 @@ through untouched):
 """
 
 from .frames import FRAME_NBYTES, MAX_PAYLOAD_NBYTES, Frame, Kind
-from .mesh import MAX_WORLD_SIZE, Mesh, TransportStats
+from .mesh import MAX_WORLD_SIZE, Mesh
 from .rendezvous import PeerAddress, Rendezvous, env_store
+from .stats import TransportStats
 from .status import PeerStatus
 from .ucx import UCX_DEFAULTS, apply_env_defaults
 

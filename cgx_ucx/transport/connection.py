@@ -14,30 +14,22 @@ import asyncio
 import contextlib
 import logging
 import socket
-import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..errors import CGXError, ConfigError, ProtocolError, RendezvousError
+from ..errors import ConfigError, ProtocolError, RendezvousError
 from . import handshake as _hs
 from . import levels as _levels
 from . import progress as _progress
 from . import stuck as _stuck
 from . import ucx as _ucx
-from .rendezvous import PeerAddress, PeerFailedError, Rendezvous, node_id, with_rank
-from .rendezvous import default_host as _default_host
-from .topology import HierarchyConfig, NodeHints, Topology
+from .control import MeshControl
+from .rendezvous import PeerAddress, Rendezvous, node_id
+from .topology import NodeHints, Topology
+from .ucx import ABORT_PERIOD_NS
 
-if TYPE_CHECKING:
-    from ..config import CommConfig
-    from .mesh import Mesh
-
-__all__ = ["MAX_WORLD_SIZE", "MeshSetup"]
+__all__ = ["MeshSetup"]
 
 log = logging.getLogger("cgx_ucx.transport")
-
-#: Ranks a frame header can name.
-MAX_WORLD_SIZE = 1 << 12
-ABORT_PERIOD_NS = _ucx.ABORT_PERIOD_NS
 
 
 def _consume(fut: asyncio.Future) -> None:
@@ -46,81 +38,10 @@ def _consume(fut: asyncio.Future) -> None:
         fut.exception()
 
 
-class MeshSetup:
-    """The connecting half of :class:`~cgx_ucx.transport.mesh.Mesh` (a mixin: the state
-    it fills in is declared and documented there)."""
-
-    rank: int
-    world_size: int
-    config: CommConfig
-    peers: dict[int, Any]
-    auth: _hs.Auth
-    comm_id: int
-    stats: Any
-    local_ranks: list[int]
-    topology: Topology
-    hierarchy: HierarchyConfig
-    _ucxx: Any
-    _listener: Any
-    _loop: asyncio.AbstractEventLoop | None
-    _failed: asyncio.Future | None
-    _accepted: dict[int, asyncio.Future]
-    _published: set[int]
-    _closing: bool
-    _tasks: set[asyncio.Task]
-    _setup_tasks: set[asyncio.Future]
-
-    @classmethod
-    async def connect(
-        cls,
-        store: Any,
-        rank: int,
-        world_size: int,
-        config: CommConfig,
-        prefix: str = "cgx",
-        host: str | None = None,
-        data_error_handling: bool = True,
-    ) -> Mesh:
-        """Rendezvous through ``store``, connect both channels to every peer, prove membership.
-
-        ``data_error_handling=False`` lets UCX use CMA zero-copy between processes of one
-        host, but UCX then treats a failed transfer as fatal: a peer killed while a
-        transfer from it is pending aborts this process (see the module docstring).
-        """
-        if not 0 < world_size <= MAX_WORLD_SIZE:
-            raise RendezvousError(f"world_size must be in 1..{MAX_WORLD_SIZE}, got {world_size}")
-        if not 0 <= rank < world_size:
-            raise RendezvousError(f"rank {rank} outside 0..{world_size - 1}")
-        _progress.spin_mode()  # a bad CGX_UCX_SPIN fails here, before the rendezvous
-        deadline = time.monotonic() + config.connect_timeout
-        rdzv = Rendezvous(store, rank, world_size, prefix, deadline)
-        mesh: Mesh | None = None
-        try:
-            await rdzv.join()
-            # A rank that fails publishes why; the watch ends every other rank's waits
-            # (store keys, dials, accepts, data hello) within ~0.1 s of it.
-            rdzv.start_watch()
-            token, comm = await rdzv.credentials()
-            mesh = cls(rank, world_size, config, token, data_error_handling, comm)
-            await mesh._start(rdzv, host or _default_host(store))
-        except BaseException as exc:
-            first = None
-            if isinstance(exc, Exception) and not isinstance(exc, PeerFailedError):
-                first = await rdzv.failed_elsewhere()
-                if first is None:
-                    await rdzv.publish_failure(with_rank(rank, str(exc)))
-            await rdzv.stop_watch()
-            rdzv.close(wait=False)
-            if mesh is not None:
-                await mesh.abort()
-            if first is not None:
-                raise first from exc
-            if isinstance(exc, CGXError) and not str(exc).startswith(f"rank {rank}: "):
-                raise type(exc)(with_rank(rank, str(exc))) from exc
-            raise
-        await rdzv.stop_watch()
-        rdzv.close()
-        return mesh
+class MeshSetup(MeshControl):
+    """How a :class:`~cgx_ucx.transport.mesh.Mesh` connects to its peers (after the
+    rendezvous of :meth:`~cgx_ucx.transport.mesh.Mesh.connect`): both channels to every
+    peer, each bounded by the connect deadline."""
 
     async def _start(self, rdzv: Rendezvous, host: str) -> None:
         self._loop = asyncio.get_running_loop()

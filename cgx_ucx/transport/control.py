@@ -1,0 +1,224 @@
+"""The control channel of a mesh: its receive loop, ABORT/BYE frames, peer status."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import numpy as np
+
+from ..errors import CGXError, CGXTimeoutError, PeerLostError, ProtocolError
+from . import ucx as _ucx
+from .frames import FRAME_NBYTES, AbortCode, Frame, Kind
+from .peer import Peer
+from .progress import post_recv, post_send
+from .state import MeshState
+from .status import STATUS_WAIT_S, PeerStatus
+
+__all__ = ["MAX_EARLY_ABORT_FRAMES", "MAX_REASON_NBYTES", "MeshControl"]
+
+log = logging.getLogger("cgx_ucx.transport")
+
+#: Largest reason text an ABORT frame carries.
+MAX_REASON_NBYTES = 1024
+#: ABORT frames kept while no communicator listens yet (one per peer and call at most).
+MAX_EARLY_ABORT_FRAMES = 64
+
+
+class MeshControl(MeshState):
+    """The control channel of a :class:`~cgx_ucx.transport.mesh.Mesh`: one receive loop
+    per peer, ABORT/BYE/STATUS frames, and the status of peers that are late."""
+
+    def _on_ctrl_closed(self, rank: int) -> None:
+        # Called from UCX progress (the loop thread in blocking/polling mode, the progress
+        # thread in thread mode).
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        # Two hops: UCX calls this inside worker.progress(), before the progress driver
+        # resolves the receives completed in the same call; a BYE that arrived just
+        # before the connection closed must be seen first (then the close is quiet).
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(loop.call_soon, self._peer_closed, rank, "connection closed")
+
+    def _peer_closed(self, rank: int, how: str) -> None:
+        p = self.peers[rank]
+        if self._closing or p.lost is not None:
+            return
+        if p.bye or self._bye_fut is not None:
+            # A clean close: later collectives report it, nothing to warn about now.
+            text = f"rank {rank} closed its communicator"
+            if p.aborted:
+                text += f" after aborting {p.aborted}"
+            self.lose(rank, PeerLostError(text, peer=rank), quiet=True)
+        else:
+            self.lose(rank, PeerLostError(f"rank {rank} is gone ({how})", peer=rank))
+
+    async def _control_loop(self, p: Peer) -> None:
+        buf = np.empty(FRAME_NBYTES, np.uint8)
+        errors = _ucx.errors()
+        assert p.keys is not None
+        while True:
+            try:
+                await post_recv(p.ctrl, buf, None)
+                frame = Frame.unpack(buf, job=self.job, key=p.keys.key)
+                if frame.src != p.rank:
+                    raise ProtocolError(f"control frame from rank {p.rank} claims rank {frame.src}")
+                reason = ""
+                if frame.payload:
+                    if frame.payload > MAX_REASON_NBYTES:
+                        raise ProtocolError(f"control payload of {frame.payload} bytes")
+                    text = np.empty(frame.payload, np.uint8)
+                    await post_recv(p.ctrl, text, None)
+                    reason = text.tobytes().decode("utf-8", errors="replace")
+            except asyncio.CancelledError:
+                return
+            except ProtocolError as exc:
+                if not self._closing:
+                    self.lose(p.rank, ProtocolError(f"rank {p.rank}: {exc}"))
+                return
+            except errors:
+                if not self._closing:
+                    self._peer_closed(p.rank, "connection reset")
+                return
+            if not self._on_control(p, frame, reason):
+                return
+
+    def _on_control(self, p: Peer, frame: Frame, reason: str) -> bool:
+        """Act on one control frame; False ends the control loop."""
+        if frame.kind == Kind.BYE:
+            p.bye, p.bye_seq = True, frame.seq
+            self._bye_seen()
+            self._check_bye(p)
+        elif frame.kind == Kind.ABORT:
+            self._aborts += 1
+            p.aborted = f"collective #{frame.seq}: {reason or f'abort code {frame.phase}'}"
+            if self._on_abort is not None:
+                self._on_abort(frame, reason)
+            elif len(self._early_aborts) < MAX_EARLY_ABORT_FRAMES:
+                self._early_aborts.append((frame, reason))
+        elif frame.kind == Kind.STATUS_REQUEST:
+            head, what = self.activity.frame(self.job, self.rank)
+            self._spawn(self.send_control(p.rank, head, what))
+        elif frame.kind == Kind.STATUS:
+            p.answers += 1
+            self._bye_seen()
+            if p.status is not None and not p.status.done():
+                p.status.set_result(PeerStatus.from_frame(frame, reason))
+        else:
+            if not self._closing:
+                self.lose(p.rank, ProtocolError(f"unexpected control frame kind {frame.kind}"))
+            return False
+        return True
+
+    @property
+    def on_abort(self) -> Any:
+        """Called with (frame, reason) for every ABORT; ABORTs received before it was
+        set are delivered when it is."""
+        return self._on_abort
+
+    @on_abort.setter
+    def on_abort(self, callback: Any) -> None:
+        self._on_abort = callback
+        early, self._early_aborts = self._early_aborts, []
+        if callback is not None:
+            for frame, reason in early:
+                callback(frame, reason)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def send_control(self, rank: int, frame: Frame, reason: str = "") -> None:
+        """Best-effort control frame (ABORT/BYE/STATUS) with a short bounded wait."""
+        p = self.peers[rank]
+        if p.lost is not None or p.ctrl is None or p.keys is None:
+            return
+        text = reason.encode()[:MAX_REASON_NBYTES]
+        frame = frame.with_(payload=len(text), comm=self.comm_id)
+        try:
+            head = np.frombuffer(frame.pack(p.keys.key), np.uint8).copy()
+            sends = [post_send(p.ctrl, head, None)]
+            if text:
+                sends.append(post_send(p.ctrl, np.frombuffer(text, np.uint8).copy(), None))
+            await asyncio.wait_for(asyncio.gather(*sends), min(self.config.timeout, 5.0))
+        except (TimeoutError, *_ucx.errors()) as exc:
+            log.debug("rank %d: control frame to rank %d not sent: %s", self.rank, rank, exc)
+
+    async def broadcast_abort(self, seq: int, code: AbortCode, peer: int, reason: str) -> None:
+        self._aborts += 1
+        self._told = True
+        frame = Frame(
+            kind=Kind.ABORT, job=self.job, seq=seq, src=self.rank, phase=int(code), count=peer
+        )
+        await asyncio.gather(*(self.send_control(r, frame, reason) for r in self.peers))
+
+    # -- status -------------------------------------------------------------------------
+    def collective_started(self, seq: int, what: str) -> None:
+        """Record that collective ``seq`` started here (``what``: e.g. "allreduce, numel
+        4096"); peers that time out waiting for us are told."""
+        self.activity.started(seq, what)
+        for p in self.peers.values():
+            if p.bye:
+                self._check_bye(p)
+
+    def _check_bye(self, p: Peer) -> None:
+        """A peer that said BYE after collective #n will not take part in a later one: a
+        collective of ours past n that is running now fails at once, naming the close,
+        rather than when the peer's endpoints go (the peer waits up to CLOSE_WAIT_S for
+        our BYE first). Collectives up to n are left alone: the BYE travels on the control
+        channel and may overtake the peer's last data frames."""
+        if self._closing or p.lost is not None or not p.bye:
+            return
+        act = self.activity
+        if act.started_seq > max(p.bye_seq, act.finished_seq):
+            text = (
+                f"rank {p.rank} closed its communicator after collective #{p.bye_seq}; "
+                f"collective #{act.started_seq} ({act.what}) here needs it"
+            )
+            self.lose(p.rank, PeerLostError(text, peer=p.rank), quiet=True)
+
+    def collective_finished(self, seq: int) -> None:
+        self.activity.finished(seq)
+
+    async def peer_status(self, rank: int, timeout: float = STATUS_WAIT_S) -> PeerStatus:
+        """Ask ``rank`` on the control channel where it is; ``PeerStatus.gone`` when its
+        control channel is down, ``answered`` False when it did not answer in time."""
+        p = self.peers[rank]
+        if p.lost is not None or p.ctrl is None:
+            return PeerStatus(rank, gone=True)
+        if p.status is None or p.status.done():
+            assert self._loop is not None
+            p.status = self._loop.create_future()
+            await self._ask(rank)
+        with contextlib.suppress(TimeoutError):
+            got = await asyncio.wait_for(asyncio.shield(p.status), timeout)
+            if got is not None:
+                got.rank = rank
+                return got
+        return PeerStatus(rank, gone=p.lost is not None)
+
+    async def _ask(self, rank: int) -> int:
+        """Send ``rank`` a STATUS_REQUEST; returns the number of the answer to it."""
+        p = self.peers[rank]
+        p.asks += 1
+        req = Frame(kind=Kind.STATUS_REQUEST, job=self.job, comm=self.comm_id, src=self.rank)
+        await self.send_control(rank, req)
+        return p.asks
+
+    async def _timed_out(self, rank: int, what: str) -> CGXError:
+        status = await self.peer_status(rank, min(STATUS_WAIT_S, self.config.timeout))
+        exc = CGXTimeoutError(
+            f"rank {self.rank}: rank {rank} did not complete {what} within "
+            f"{self.config.timeout:g} s: {status.describe()}",
+            peer=rank,
+            alive=status.alive,
+        )
+        if status.gone:
+            self.lose(rank, exc)
+        else:
+            self.fail(exc)  # never tear down a peer that is still there
+        return exc
