@@ -6,7 +6,7 @@ a link on one machine so the claim can be measured and repeated by anyone with r
 Two layouts:
 
 - per rank (``LinkEmulator(4)``): every rank is a node of its own, so every byte between
-  ranks crosses a shaped link (the original mode, used by ``bench link``);
+  ranks crosses a shaped link (the layout of ``bench link``);
 - nodes (``LinkEmulator(4, nodes=2)`` or ``nodes=[3, 1]``): one namespace per node holds
   that node's ranks (consecutive ranks, as torchrun places them); ranks of one node talk
   through shared memory or the node's ``lo``, ranks of different nodes through the shaped
@@ -14,8 +14,8 @@ Two layouts:
   ``GROUP_RANK``, ``GROUP_WORLD_SIZE``) and, by default, no UCX variables at all: what
   UCX does then is what a user on two hosts gets (see ``force_tcp``).
 
-1. One network namespace per node (``<prefix>-<pid>-<token>-r<rank>`` per rank,
-   ``...-n<node>`` per node), each with ``lo`` up and one veth device holding
+1. One network namespace per node (:mod:`.namespaces`: ``<prefix>-<pid>-<token>-r<rank>``
+   per rank, ``...-n<node>`` per node), each with ``lo`` up and one veth device holding
    ``10.213.0.<node+1>/24``. The subnet is private and exists only inside these
    namespaces: nothing outside them is ever addressed. Inside node i's namespace the
    machine's hostname resolves to node i's address (``/etc/netns/<ns>/hosts``, which
@@ -23,22 +23,24 @@ Two layouts:
 2. Two nodes: the two veth ends are joined directly. More nodes: each node's veth goes to a
    bridge in a hub namespace (``...-hub``), i.e. a switch with one port per node.
 3. Every egress device (the node's veth, and for the bridge also the hub's port towards the
-   node) gets a ``tbf`` qdisc at the asked rate, so each node has an up- and a downlink of
-   that rate, as a NIC on a switch does.
+   node) gets a ``tbf`` qdisc at the asked rate (:mod:`.shaping`), so each node has an up-
+   and a downlink of that rate, as a NIC on a switch does.
 4. Everything is removed on exit, on failure (``finally``), on SIGINT/SIGTERM (the handlers
    tear down, restore the previous handler and re-raise), and left-overs of a killed run
    (namespace names carry the owner's pid; the owner is dead) at the next start.
 
 Rank processes are started inside their node's namespace with ``ip netns exec`` and a
-per-rank environment (:meth:`LinkEmulator.rank_env`). With ``force_tcp`` (the default of the
-per-rank layout) it forces the traffic onto the shaped device:
+per-rank environment (:meth:`LinkEmulator.rank_env`; :mod:`.ranks` collects their outputs).
+With ``force_tcp`` (the default of the per-rank layout) it forces the traffic onto the shaped
+device:
 
 - ``UCX_TLS=tcp`` and ``UCX_NET_DEVICES=<veth>``: all namespaces share one kernel, so with
-  UCX_TLS unset UCX finds shared memory across them and ignores the shaping (measured
-  1.86 GB/s on a "1 Gbit" link). In the nodes layout this is exactly what the engine's
-  per-level transports must prevent by themselves, so there ``force_tcp`` is off by default.
-- ``GLOO_SOCKET_IFNAME=<veth>`` per rank (one name for all ranks failed with a store timeout,
-  measured), ``UCXPY_IFNAME=<veth>`` for ``ucxx.get_address``.
+  UCX_TLS unset UCX finds shared memory across them and ignores the shaping (the honesty
+  checks of ``python -m cgx_ucx.bench link`` refuse such a run). In the nodes layout this is
+  exactly what the engine's per-level transports must prevent by themselves, so there
+  ``force_tcp`` is off by default.
+- ``GLOO_SOCKET_IFNAME=<veth>`` per rank (with one name for all ranks the store times out),
+  ``UCXPY_IFNAME=<veth>`` for ``ucxx.get_address``.
 - ``MASTER_ADDR`` = rank 0's address: the TCPStore lives in rank 0's namespace and is reached
   over the link by every rank.
 
@@ -47,12 +49,15 @@ Byte counters: :meth:`LinkEmulator.interface_counters` reads every interface's
 subtracted (:meth:`InterfaceCounters.delta`) show how many bytes crossed each node's shaped
 link and how many went over its ``lo`` (shared memory moves no interface bytes at all).
 
-Delay: ``netem`` is not in every kernel (it is not in the one this was built on: ``tc qdisc
-add ... netem`` answers "Specified qdisc kind is unknown"). :attr:`LinkEmulator.netem_available`
-reports whether it is; asking for a delay without it is a :class:`~cgx_ucx.errors.ConfigError`,
+Delay: ``netem`` is not in every kernel (where it is missing, ``tc qdisc add ... netem``
+answers "Specified qdisc kind is unknown"). :attr:`LinkEmulator.netem_available` reports
+whether it is; asking for a delay without it is a :class:`~cgx_ucx.errors.ConfigError`,
 never a silently undelayed link.
 
-Only the standard library and iproute2 (``ip``, ``tc``) are used.
+Only the standard library and iproute2's ``ip`` and ``tc`` commands are used, their output
+parsed where needed: pyroute2 would add a dependency to CI's install and still leave
+``ip netns exec`` (or setns in a forked child) to start the ranks, and ``tc``'s tbf and netem
+options map one to one onto the commands above.
 """
 
 from __future__ import annotations
@@ -69,19 +74,45 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import IO, Any
 
 from ..errors import CGXTimeoutError, ConfigError, TransportError
+from .iproute import run
+from .measurements import InterfaceCounters, TcpMeasurement, read_interface_counters
+from .namespaces import (
+    DEFAULT_PREFIX,
+    IFNAMSIZ,
+    MAX_WORLD,
+    NETNS_ETC,
+    SUBNET,
+    cleanup_stale,
+    delete_namespace,
+    veth_peer,
+    write_hosts,
+)
+from .ranks import RankResult, raise_for_results, run_processes
+from .shaping import (
+    BURST_FLOOR_BYTES,
+    DEFAULT_MTU,
+    format_rate,
+    parse_rate,
+    probe_netem,
+    qdisc_sent_bytes,
+    shape,
+    tbf_burst_bytes,
+    tbf_limit_bytes,
+)
 
+# The emulator's public face, with what it is built from re-exported for its callers.
 __all__ = [
+    "BURST_FLOOR_BYTES",
     "DEFAULT_PREFIX",
+    "NETNS_ETC",
     "InterfaceCounters",
     "LinkEmulator",
     "RankResult",
@@ -96,83 +127,6 @@ __all__ = [
 
 log = logging.getLogger("cgx_ucx.bench.netns")
 
-#: Namespace names start with this; :func:`cleanup_stale` only ever touches names it matches.
-DEFAULT_PREFIX = "cgxlink"
-#: The private /24 of the emulated network (only inside our namespaces). Rank i has .i+1.
-SUBNET = "10.213.0"
-#: .1 .. .254 are usable host addresses of a /24.
-MAX_WORLD = 254
-#: Linux limits interface names to 15 characters (IFNAMSIZ - 1); ours are at most 12.
-IFNAMSIZ = 15
-#: Commodity Ethernet's MTU; a 1500-byte frame carries 1448 bytes of TCP payload with
-#: timestamps, so TCP sees at most ~95.6% of the shaped rate (measured here: 96% of 1 Gbit/s).
-DEFAULT_MTU = 1500
-#: ``ip netns exec NS`` bind-mounts ``/etc/netns/NS/*`` over ``/etc``: each rank namespace
-#: gets a ``hosts`` file there in which this machine's hostname is the rank's own address,
-#: as on a cluster node. Libraries that find "my address" from the hostname (the engine's
-#: rendezvous when it sees a PrefixStore, torch's c10d) then pick the veth, not loopback.
-NETNS_ETC = Path("/etc/netns")
-#: Every ip/tc call returns within this, or the setup fails (they take milliseconds).
-COMMAND_TIMEOUT_S = 20.0
-#: tbf burst floor: a veth hands GSO packets of up to 64 KiB to the qdisc, and tbf segments
-#: (in software, costly on 2 cores) any packet larger than its bucket; 128 KiB passes them whole.
-BURST_FLOOR_BYTES = 128 * 1024
-#: tbf burst = this much time at line rate (1 ms is the usual rule: it keeps the qdisc's
-#: watchdog wake-ups to about one per millisecond at 10-25 Gbit/s, and the burst is only 0.1%
-#: of a one-second transfer, so measured rates stay honest).
-BURST_TIME_S = 1e-3
-#: tbf queue = burst + this much time at line rate: a switch-like buffer deep enough that TCP
-#: (UCX and gloo open several connections per peer) is not throttled by tail drops.
-QUEUE_TIME_S = 20e-3
-
-_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
-_RATE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
-
-
-def parse_rate(rate: str | float) -> int:
-    """Bits per second of ``rate``: a number (bit/s) or tc's decimal units, e.g. ``"1gbit"``.
-
-    tc's ``bps`` means *bytes* per second, a classic source of 8x errors, so it is refused.
-    """
-    if isinstance(rate, bool):
-        raise ConfigError(f"link rate must be a number or e.g. '1gbit', got {rate!r}")
-    if isinstance(rate, int | float):
-        value, unit = float(rate), "bit"
-    else:
-        m = _RATE_RE.match(str(rate))
-        if not m:
-            raise ConfigError(f"link rate must be e.g. '1gbit', '100mbit' or bits/s, got {rate!r}")
-        value, unit = float(m.group(1)), (m.group(2).lower() or "bit")
-        if unit not in _RATE_UNITS:
-            raise ConfigError(
-                f"link rate unit must be one of {sorted(_RATE_UNITS)} (decimal bits per "
-                f"second; tc's 'bps' would be bytes), got {rate!r}"
-            )
-    bps = round(value * _RATE_UNITS[unit])
-    # tbf needs at least one MTU per second to make progress at all.
-    if bps < 8 * DEFAULT_MTU:
-        raise ConfigError(f"link rate must be at least {8 * DEFAULT_MTU} bit/s, got {rate!r}")
-    return bps
-
-
-def format_rate(bps: float) -> str:
-    """``1000000000 -> '1gbit'``: the largest unit that keeps the value whole, else 3 decimals."""
-    for unit, scale in sorted(_RATE_UNITS.items(), key=lambda kv: -kv[1]):
-        if bps >= scale:
-            value = bps / scale
-            return f"{value:g}{unit}" if value == int(value) else f"{value:.3g}{unit}"
-    return f"{bps:g}bit"
-
-
-def tbf_burst_bytes(rate_bps: int) -> int:
-    """The tbf bucket: 1 ms at line rate, at least 128 KiB (see the constants for why)."""
-    return max(BURST_FLOOR_BYTES, int(rate_bps / 8 * BURST_TIME_S))
-
-
-def tbf_limit_bytes(rate_bps: int) -> int:
-    """The tbf queue: the bucket plus 20 ms at line rate (see :data:`QUEUE_TIME_S`)."""
-    return tbf_burst_bytes(rate_bps) + int(rate_bps / 8 * QUEUE_TIME_S)
-
 
 def missing_prerequisites() -> list[str]:
     """What this machine lacks to emulate links (empty when all is there)."""
@@ -185,153 +139,6 @@ def missing_prerequisites() -> list[str]:
         if shutil.which(tool) is None:
             missing.append(f"the '{tool}' command of iproute2 (apt-get install iproute2)")
     return missing
-
-
-def _run(cmd: Sequence[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
-    """Run one ip/tc command with a deadline; failures become TransportError with its stderr."""
-    try:
-        done = subprocess.run(
-            list(cmd), capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=False
-        )
-    except FileNotFoundError as exc:
-        raise ConfigError(f"{cmd[0]!r} not found: link emulation needs iproute2") from exc
-    except subprocess.TimeoutExpired as exc:
-        raise TransportError(f"`{' '.join(cmd)}` did not return in {COMMAND_TIMEOUT_S} s") from exc
-    if check and done.returncode != 0:
-        raise TransportError(
-            f"`{' '.join(cmd)}` failed (exit {done.returncode}): {done.stderr.strip()}"
-        )
-    return done
-
-
-def _list_namespaces() -> list[str]:
-    done = _run(["ip", "netns", "list"])
-    # Lines look like "name" or "name (id: 3)".
-    return [line.split()[0] for line in done.stdout.splitlines() if line.strip()]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _namespace_pids(ns: str) -> list[int]:
-    done = _run(["ip", "netns", "pids", ns], check=False)
-    return [int(tok) for tok in done.stdout.split() if tok.isdigit()]
-
-
-def _delete_namespace(ns: str) -> str | None:
-    """Kill what still runs in ``ns`` (by pid), delete it; the error text, or None."""
-    for pid in _namespace_pids(ns):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-    # Deleting a namespace deletes its devices; a veth pair dies with either end, a bridge
-    # with its namespace, qdiscs with their device. Besides, only its /etc/netns folder.
-    done = _run(["ip", "netns", "del", ns], check=False)
-    shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
-    if done.returncode != 0 and ns in _list_namespaces():
-        return done.stderr.strip() or f"exit {done.returncode}"
-    return None
-
-
-def _name_pattern(prefix: str) -> re.Pattern[str]:
-    return re.compile(rf"^{re.escape(prefix)}-(\d+)-([0-9a-f]{{6}})-(?:r\d+|n\d+|hub)$")
-
-
-def cleanup_stale(prefix: str = DEFAULT_PREFIX) -> list[str]:
-    """Delete namespaces left by killed runs: name matches ``prefix`` and its owner pid is dead.
-
-    Namespaces of live owners (another emulator running now) are never touched. Returns the
-    names removed.
-    """
-    pattern = _name_pattern(prefix)
-    removed = []
-    etc = sorted(p.name for p in NETNS_ETC.iterdir()) if NETNS_ETC.is_dir() else []
-    for ns in sorted(set(_list_namespaces()) | set(etc)):
-        m = pattern.match(ns)
-        if m is None or _pid_alive(int(m.group(1))):
-            continue
-        err = _delete_namespace(ns)
-        if err is None:
-            removed.append(ns)
-            log.info("removed left-over namespace %s (owner pid %s is dead)", ns, m.group(1))
-        else:
-            log.warning("could not remove left-over namespace %s: %s", ns, err)
-    return removed
-
-
-@dataclass(frozen=True)
-class TcpMeasurement:
-    """Raw TCP payload throughput from one rank to another across the shaped link."""
-
-    src: int
-    dst: int
-    bytes: int
-    seconds: float
-    rate_bps: int
-
-    @property
-    def bits_per_s(self) -> float:
-        return 8 * self.bytes / self.seconds if self.seconds > 0 else 0.0
-
-    @property
-    def fraction_of_rate(self) -> float:
-        """Measured payload rate over the shaped rate (about 0.96 at MTU 1500)."""
-        return self.bits_per_s / self.rate_bps
-
-
-@dataclass(frozen=True)
-class InterfaceCounters:
-    """Byte counters of every interface of every node namespace, at one moment.
-
-    ``bytes[node][ifname] = (tx_bytes, rx_bytes)``, as the kernel counts them (Ethernet
-    headers included; ``lo`` counts each byte once each way). ``link`` names each node's
-    shaped device.
-    """
-
-    bytes: tuple[dict[str, tuple[int, int]], ...]
-    link: tuple[str, ...]
-
-    def delta(self, before: InterfaceCounters) -> InterfaceCounters:
-        """What was counted between ``before`` and this snapshot."""
-        if len(before.bytes) != len(self.bytes):
-            raise ConfigError("counter snapshots of different emulators")
-        out = []
-        for now, then in zip(self.bytes, before.bytes, strict=True):
-            out.append(
-                {
-                    dev: (tx - then.get(dev, (0, 0))[0], rx - then.get(dev, (0, 0))[1])
-                    for dev, (tx, rx) in now.items()
-                }
-            )
-        return InterfaceCounters(tuple(out), self.link)
-
-    def link_tx(self, node: int) -> int:
-        """Bytes node ``node`` sent over its shaped link."""
-        return self.bytes[node][self.link[node]][0]
-
-    def link_rx(self, node: int) -> int:
-        """Bytes node ``node`` received over its shaped link."""
-        return self.bytes[node][self.link[node]][1]
-
-    def loopback_tx(self, node: int) -> int:
-        """Bytes sent over node ``node``'s ``lo`` (node-local TCP; shared memory is not seen)."""
-        return self.bytes[node].get("lo", (0, 0))[0]
-
-
-@dataclass(frozen=True)
-class RankResult:
-    """What one rank process left behind."""
-
-    rank: int
-    returncode: int
-    stdout: str
-    stderr: str
 
 
 class LinkEmulator:
@@ -352,8 +159,7 @@ class LinkEmulator:
             environment; default: on in the per-rank layout, off with ``nodes``.
         mtu: frame payload size of the veth devices (1500 = commodity Ethernet).
         delay: one-way delay in seconds added on each egress by ``netem``; needs netem in
-            the kernel (:class:`ConfigError` otherwise). Not exercised on the machine this
-            was written on, whose kernel lacks netem.
+            the kernel (:class:`ConfigError` otherwise).
         prefix: namespace name prefix; :func:`cleanup_stale` matches on it.
         handle_signals: install SIGINT/SIGTERM handlers that tear down and re-raise (only
             possible from the main thread; elsewhere ``finally`` still cleans up).
@@ -469,75 +275,53 @@ class LinkEmulator:
         )
 
     def _add_namespace(self, ns: str, address: str | None = None) -> None:
-        _run(["ip", "netns", "add", ns])
+        run(["ip", "netns", "add", ns])
         self._created.append(ns)
-        _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+        run(["ip", "-n", ns, "link", "set", "lo", "up"])
         if address is not None:
             host = socket.gethostname()
             lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost", f"{address} {host}"]
             lines += [f"{a} cgx-rank{i}" for i, a in enumerate(self.addresses)]
             if not self.per_rank:
                 lines += [f"{a} cgx-node{i}" for i, a in enumerate(self.node_addresses)]
-            folder = NETNS_ETC / ns
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / "hosts").write_text("\n".join(lines) + "\n")
+            write_hosts(ns, lines)
 
     def _build(self) -> None:
         for ns, addr in zip(self.node_namespaces, self.node_addresses, strict=True):
             self._add_namespace(ns, addr)
         if self.hub is not None:
             self._add_namespace(self.hub)
-            _run(["ip", "-n", self.hub, "link", "add", self._bridge, "type", "bridge"])
-            _run(["ip", "-n", self.hub, "link", "set", self._bridge, "up"])
+            run(["ip", "-n", self.hub, "link", "add", self._bridge, "type", "bridge"])
+            run(["ip", "-n", self.hub, "link", "set", self._bridge, "up"])
         egress: list[tuple[str, str]] = []
         if self.nodes == 2:
             ns0, ns1 = self.node_namespaces
             dev0, dev1 = self.node_devices
-            _run(["ip", "-n", ns0, "link", "add", dev0, "type", "veth", *_peer(dev1, ns1)])
+            run(["ip", "-n", ns0, "link", "add", dev0, "type", "veth", *veth_peer(dev1, ns1)])
             egress += [(ns0, dev0), (ns1, dev1)]
         elif self.hub is not None:
             nodes = zip(self.node_namespaces, self.node_devices, self._hub_ports, strict=True)
             for ns, dev, port in nodes:
-                _run(["ip", "-n", ns, "link", "add", dev, "type", "veth", *_peer(port, self.hub)])
-                _run(["ip", "-n", self.hub, "link", "set", port, "mtu", str(self.mtu)])
-                _run(["ip", "-n", self.hub, "link", "set", port, "master", self._bridge])
-                _run(["ip", "-n", self.hub, "link", "set", port, "up"])
+                run(
+                    ["ip", "-n", ns, "link", "add", dev, "type", "veth", *veth_peer(port, self.hub)]
+                )
+                run(["ip", "-n", self.hub, "link", "set", port, "mtu", str(self.mtu)])
+                run(["ip", "-n", self.hub, "link", "set", port, "master", self._bridge])
+                run(["ip", "-n", self.hub, "link", "set", port, "up"])
                 egress += [(ns, dev), (self.hub, port)]
         links = zip(self.node_namespaces, self.node_devices, self.node_addresses, strict=True)
         for ns, dev, addr in links if self.nodes > 1 else ():
-            _run(["ip", "-n", ns, "link", "set", dev, "mtu", str(self.mtu)])
-            _run(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev])
-            _run(["ip", "-n", ns, "link", "set", dev, "up"])
-        self.netem_available = self._probe_netem(self.node_namespaces[0])
+            run(["ip", "-n", ns, "link", "set", dev, "mtu", str(self.mtu)])
+            run(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev])
+            run(["ip", "-n", ns, "link", "set", dev, "up"])
+        self.netem_available = probe_netem(self.node_namespaces[0])
         if self.delay > 0 and not self.netem_available:
             raise ConfigError(
                 "a link delay needs the netem qdisc, which this kernel lacks "
                 "('Specified qdisc kind is unknown'); run without delay"
             )
         for ns, dev in egress:
-            self._shape(ns, dev)
-
-    @staticmethod
-    def _probe_netem(ns: str) -> bool:
-        """Whether the kernel has netem: try it on the namespace's own loopback."""
-        done = _run(["tc", "-n", ns, "qdisc", "add", "dev", "lo", "root", "netem"], check=False)
-        if done.returncode == 0:
-            _run(["tc", "-n", ns, "qdisc", "del", "dev", "lo", "root"], check=False)
-            return True
-        return False
-
-    def _shape(self, ns: str, dev: str) -> None:
-        tbf = ["tbf", "rate", f"{self.rate_bps}bit"]
-        tbf += ["burst", str(self.burst_bytes), "limit", str(self.limit_bytes)]
-        if self.delay > 0:
-            # netem delays, its child tbf shapes (the layout tc-netem(8) documents).
-            netem = ["netem", "delay", f"{round(self.delay * 1e6)}us", "limit", "100000"]
-            _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", *netem])
-            _run(
-                ["tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *tbf]
-            )
-        else:
-            _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", *tbf])
+            shape(ns, dev, self.rate_bps, self.burst_bytes, self.limit_bytes, self.delay)
 
     def close(self) -> list[str]:
         """Stop our processes, delete our namespaces (with their links and qdiscs).
@@ -565,7 +349,7 @@ class LinkEmulator:
         failed = []
         for ns in reversed(created):
             try:
-                err = _delete_namespace(ns)
+                err = delete_namespace(ns)
             except Exception as exc:  # never let teardown stop half-way
                 err = str(exc)
             if err is not None:
@@ -688,66 +472,26 @@ class LinkEmulator:
         ``progress(rank, line)`` sees every stderr line as it arrives.
         """
         port = self.new_port()
-        deadline = time.monotonic() + timeout
-        with tempfile.TemporaryDirectory(prefix="cgxlink-") as tmp:
-            procs = []
-            outs = []
-            for rank in range(self.world_size):
-                args = argv(rank) if callable(argv) else argv
-                extra = env(rank) if callable(env) else env
-                out = open(Path(tmp) / f"{rank}.out", "w+")  # noqa: SIM115 (closed below)
-                outs.append(out)
-                procs.append(
-                    self.popen(
-                        rank,
-                        list(args),
-                        env=extra,
-                        master_port=port,
-                        stdout=out,
-                        stderr=subprocess.PIPE,
-                        text=True,
-                    )
-                )
-            errs: list[list[str]] = [[] for _ in procs]
-            readers = [
-                threading.Thread(target=_pump, args=(p.stderr, errs[r], r, progress), daemon=True)
-                for r, p in enumerate(procs)
-            ]
-            for t in readers:
-                t.start()
-            failed_at: float | None = None
-            timed_out = False
-            while any(p.poll() is None for p in procs):
-                now = time.monotonic()
-                if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
-                    failed_at = now
-                if now > deadline or (failed_at is not None and now > failed_at + grace):
-                    timed_out = failed_at is None
-                    break
-                time.sleep(0.05)
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait(timeout=5.0)
-            for t in readers:
-                t.join(timeout=5.0)
-            results = []
-            for rank, (p, out) in enumerate(zip(procs, outs, strict=True)):
-                out.seek(0)
-                results.append(RankResult(rank, p.returncode, out.read(), "".join(errs[rank])))
-                out.close()
+
+        def start(rank: int, out: IO[str]) -> subprocess.Popen[Any]:
+            args = argv(rank) if callable(argv) else argv
+            extra = env(rank) if callable(env) else env
+            return self.popen(
+                rank,
+                list(args),
+                env=extra,
+                master_port=port,
+                stdout=out,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+
+        procs, results, timed_out = run_processes(
+            start, self.world_size, timeout=timeout, grace=grace, progress=progress
+        )
         with self._lock:
             self._procs = [p for p in self._procs if p not in procs]
-        if timed_out:
-            raise CGXTimeoutError(
-                f"ranks did not finish within {timeout} s; stderr tails:\n" + _tails(results)
-            )
-        bad = [r for r in results if r.returncode != 0]
-        if bad:
-            raise TransportError(
-                f"rank(s) {[r.rank for r in bad]} failed (exit "
-                f"{[r.returncode for r in bad]}); stderr tails:\n" + _tails(bad)
-            )
+        raise_for_results(results, timed_out, timeout)
         return results
 
     # ---------------------------------------------------------------- verification
@@ -821,12 +565,7 @@ class LinkEmulator:
         The benchmark compares it before and after a run to prove the traffic crossed the link.
         """
         self._check_rank(rank)
-        ns, dev = self.namespaces[rank], self.devices[rank]
-        done = _run(["tc", "-s", "-n", ns, "qdisc", "show", "dev", dev])
-        m = re.search(r"Sent (\d+) bytes", done.stdout)
-        if m is None:
-            raise TransportError(f"no qdisc counters on {self.devices[rank]}: {done.stdout!r}")
-        return int(m.group(1))
+        return qdisc_sent_bytes(self.namespaces[rank], self.devices[rank])
 
     def interface_counters(self) -> InterfaceCounters:
         """Every interface's byte counters in every node namespace (a snapshot).
@@ -837,19 +576,7 @@ class LinkEmulator:
         """
         if not self._active:
             raise ConfigError("the LinkEmulator is not started (use it as a context manager)")
-        script = (
-            "cd /sys/class/net && for i in *; do "
-            'echo "$i $(cat $i/statistics/tx_bytes) $(cat $i/statistics/rx_bytes)"; done'
-        )
-        snapshot = []
-        for ns in self.node_namespaces:
-            done = _run(["ip", "netns", "exec", ns, "sh", "-c", script])
-            counts = {}
-            for line in done.stdout.splitlines():
-                parts = line.split()
-                if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
-                    counts[parts[0]] = (int(parts[1]), int(parts[2]))
-            snapshot.append(counts)
+        snapshot = [read_interface_counters(ns) for ns in self.node_namespaces]
         return InterfaceCounters(tuple(snapshot), tuple(self.node_devices))
 
     def describe(self) -> dict[str, Any]:
@@ -886,29 +613,6 @@ def _node_sizes(world_size: int, nodes: int | Sequence[int] | None) -> list[int]
     if sum(sizes) != world_size:
         raise ConfigError(f"nodes {sizes} hold {sum(sizes)} ranks, world_size is {world_size}")
     return sizes
-
-
-def _peer(name: str, ns: str) -> list[str]:
-    """The ``peer`` clause of ``ip link add ... type veth``: the other end made in ``ns``."""
-    return ["peer", "name", name, "netns", ns]
-
-
-def _pump(
-    stream: Any, sink: list[str], rank: int, progress: Callable[[int, str], None] | None
-) -> None:
-    for line in iter(stream.readline, ""):
-        sink.append(line)
-        if progress is not None:
-            progress(rank, line)
-    stream.close()
-
-
-def _tails(results: Sequence[RankResult], lines: int = 25) -> str:
-    parts = []
-    for r in results:
-        tail = "".join(r.stderr.splitlines(keepends=True)[-lines:])
-        parts.append(f"--- rank {r.rank} (exit {r.returncode}) ---\n{tail}")
-    return "\n".join(parts)
 
 
 def _read_line(p: subprocess.Popen[Any], deadline: float) -> str:
