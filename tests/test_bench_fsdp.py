@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from cgx_ucx.bench import netns
-from cgx_ucx.bench.link import fsdp_bytes_model, main, verify_fsdp
+from cgx_ucx.bench.link import main
+from cgx_ucx.bench.link_checks import fsdp_bytes_model, verify_fsdp
 from cgx_ucx.compression import encoded_nbytes
 
 MISSING = netns.missing_prerequisites()

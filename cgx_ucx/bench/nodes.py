@@ -1,6 +1,6 @@
 """``python -m cgx_ucx.bench nodes``: several emulated nodes of several ranks each.
 
-Issue 11's setting: ranks inside a node share memory, nodes share a slow network. The
+The setting of a cluster: ranks inside a node share memory, nodes share a slow network. The
 command builds ``--nodes`` network namespaces of ``--ranks-per-node`` ranks each
 (:class:`~cgx_ucx.bench.netns.LinkEmulator` with ``nodes=``; ``tc tbf`` at each
 ``--rates`` on every node's link; needs root and iproute2) and starts the ranks as torchrun
@@ -67,23 +67,17 @@ from pathlib import Path
 from typing import Any
 
 from ..compression import encoded_nbytes
-from .link import (
-    CHECK_MIN_BURSTS,
-    EXACT_REL_ERR,
+from .link import Progress, median, read_ranks, thread_env, worker_argv
+from .link_args import (
     MIB,
-    RATE_TOLERANCE,
-    Progress,
     add_training_args,
     check_iters,
     check_sizes,
-    median,
     parse_size,
     rate_arg,
-    read_ranks,
     size_label,
-    thread_env,
-    worker_argv,
 )
+from .link_checks import CHECK_MIN_BURSTS, EXACT_REL_ERR, RATE_TOLERANCE
 from .link_worker import PROGRESS
 from .netns import LinkEmulator, TcpMeasurement, format_rate, missing_prerequisites
 from .report import (
@@ -102,7 +96,7 @@ __all__ = ["formula_bytes_per_node", "main"]
 
 #: cgx algorithm per scheme, and the scheme's short name in the tables.
 SCHEMES = {"flat": "sra", "hier": "hierarchical"}
-#: Issue 11's targets: 2 nodes x 2 ranks, 1 Gbit/s, 64 MiB, 4 bits.
+#: The targets ``bench nodes`` reports against: 2 nodes x 2 ranks, 1 Gbit/s, 64 MiB, 4 bits.
 TARGET_SIZE, TARGET_BITS, TARGET_RATE = 64 * MIB, 4, 10**9
 TARGET_OVER_FLAT, TARGET_OVER_GLOO, TARGET_BYTES_TOL = 1.7, 10.0, 0.10
 #: Slack of the counter cross-check: what a node sends outside the timed loops is positive,
@@ -452,7 +446,7 @@ def _tables(configs: list[dict[str, Any]]) -> str:
 
 
 def _headline(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Issue 11's headline case per link rate, and the training rows, against its targets."""
+    """The headline case per link rate, and the training rows, against the targets."""
     lines = []
     for c in configs:
         where = f"{len(c['nodes'])}x{c['nodes'][0]}, {c['link']['rate']}"
@@ -664,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     headline = _headline(configs)
     if headline:
-        print("\nAgainst issue 11's targets (2x2 at 1 Gbit/s binding; the rest for the record):")
+        print("\nAgainst the targets (2x2 at 1 Gbit/s binding; the rest for the record):")
         for line in headline:
             print(f"  {line['case']}: {line['text']}")
     record = {

@@ -52,7 +52,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .link import rate_arg
+from .link_args import rate_arg
 from .netns import LinkEmulator, format_rate, missing_prerequisites
 from .report import (
     HelpFormatter,
@@ -74,7 +74,8 @@ POLICY_NAMES = ("none", "static", "kmeans", "budget", "auto")
 TEST_FRACTION = 0.3
 #: Share of the first steps left out of the mean step time (JIT, probes, warm-up).
 WARMUP_FRACTION = 0.1
-#: Target of issue 6: auto at most 5% slower than the better of none and static.
+#: The target ``bench train`` reports against: auto at most 5% slower than the better of
+#: none and static.
 AUTO_SLACK = 1.05
 #: Marks the result line a rank prints on stdout.
 RESULT_TAG = "CGX_TRAIN_RESULT "
@@ -399,8 +400,8 @@ def _worker(args: argparse.Namespace, policies: list[str]) -> int:
         data = _load_data(args.seed)
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in policies}
         for r in range(args.repeats):
-            # rotate the order: a policy's place in the run changed its step time by
-            # 10-40% on this shared host (caches, other processes), more than policies did
+            # rotate the order: on a shared host a policy's place in the run can change its
+            # step time more than the policies differ (caches, other processes)
             k = r % len(policies)
             for name in policies[k:] + policies[:k]:
                 print(
