@@ -10,7 +10,7 @@ same DDP model on ``--world`` ranks (loopback, this host) with plain gloo and wi
 ``--hogs`` busy-looping processes, in rotating order, ``--repeats`` times each.
 
 Reported per run: the median step time (after 20 warm-up steps) and the slowdown under the
-hog (hog / quiet). The figure of merit is cgx's slowdown divided by gloo's (issue 14: at
+hog (hog / quiet). The figure of merit is cgx's slowdown divided by gloo's (the target: at
 most 1.5). Prints a table and writes ``contention.json`` to ``--out-dir``.
 """
 

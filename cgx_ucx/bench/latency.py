@@ -158,7 +158,7 @@ def _measure(rank: int, world: int, port: int, opts: dict[str, Any]) -> dict[str
 
     # Every row of a size is measured in blocks of BLOCK calls, the rows taking turns
     # (gloo, then torch / sync / core per bit width, again and again), so that each
-    # row's median spans the same stretch of time as the others': the VM's slow drifts
+    # row's median spans the same stretch of time as the others': the machine's slow drifts
     # (a neighbour's load, a frequency change) shift every row alike instead of whichever
     # row they fall on, and the bridge (torch - core) compares like with like.
     samples: dict[tuple[float, str, str], list[float]] = {}
@@ -347,7 +347,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     return format_table(headers, body)
 
 
-#: Issue 10's targets for 2 ranks on one host: the torch backend at most this fraction
+#: The targets for 2 ranks on one host: the torch backend at most this fraction
 #: of gloo's median (4 KiB - 1 MiB, 32 and 4 bits); the asyncio core at 4 KiB and its
 #: barrier at most this many microseconds; the bridge (torch - core) at most this many;
 #: the first compressed call at most this multiple of a warm one.
@@ -358,7 +358,7 @@ TARGET_FIRST_X = 3.0
 
 
 def targets(rows: list[dict[str, Any]], first: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 10's checks on 2 ranks, one per (size, method): what was measured, the
+    """The checks on 2 ranks against the targets, one per (size, method): what was measured, the
     limit, and whether it held."""
     checks: list[dict[str, Any]] = []
 
