@@ -395,7 +395,7 @@ def print_targets(checks: list[dict[str, Any]]) -> None:
     if not checks:
         return
     held = sum(c["ok"] for c in checks)
-    print(f"Against issue 10's targets (2 ranks): {held} of {len(checks)} held")
+    print(f"Against the targets (2 ranks): {held} of {len(checks)} held")
     for c in checks:
         verdict = "ok" if c["ok"] else "MISSED"
         print(f"  {c['target']}: {c['value']:.2f} (at most {c['limit']:g}): {verdict}")
