@@ -289,17 +289,14 @@ def _link_rows(results: list[Result]) -> list[list[str]]:
     return rows
 
 
+def _cores(result: Result) -> int:
+    host = (result.data.get("provenance") or {}).get("host") or {}
+    return int(host.get("logical_cores") or (result.data.get("machine") or {}).get("cpus") or 0)
+
+
 def _nodes_row(results: list[Result]) -> list[str] | None:
-    candidates = [r for r in results if r.name == "nodes"]
-    # The class with the most cores: there the link, not the CPU, bounds the call.
-    candidates.sort(
-        key=lambda r: (
-            (r.data.get("provenance") or {}).get("host", {}).get("logical_cores")
-            or r.data.get("cpus")
-            or 0
-        ),
-        reverse=True,
-    )
+    # The host with the most cores first: there the link, not the CPU, bounds the call.
+    candidates = sorted((r for r in results if r.name == "nodes"), key=_cores, reverse=True)
     for result in candidates:
         for config in result.data.get("configs") or []:
             if (config.get("link") or {}).get("rate") != "1gbit":
@@ -310,9 +307,9 @@ def _nodes_row(results: list[Result]) -> list[str] | None:
                 nodes = config.get("nodes") or []
                 shape = f"{len(nodes)} nodes of {nodes[0]} ranks" if nodes else "emulated nodes"
                 figure = (
-                    f"{shape}, 64 MiB at 4 bits, two-level: {fmt(hier['time_s'] * 1e3)} ms, "
-                    f"{ratio(hier.get('speedup'))} gloo, {ratio(hier.get('over_flat'))} the flat "
-                    "all-reduce"
+                    f"{shape} on {_cores(result)} cores, 64 MiB at 4 bits, two-level: "
+                    f"{fmt(hier['time_s'] * 1e3)} ms, {ratio(hier.get('speedup'))} gloo, "
+                    f"{ratio(hier.get('over_flat'))} the flat all-reduce"
                 )
                 return ["Emulated nodes at 1 Gbit/s", figure, _link(result, result.title)]
     return None
@@ -372,7 +369,7 @@ def headline_table(results: list[Result]) -> str:
     """The README's headline table: at most :data:`MAX_HEADLINES` rows, each a claim, its
     current figure and a link to the section of the page that holds it."""
     rows = [row for make in HEADLINES for row in make(results)]
-    return table(["claim", "current figure", "details"], rows[:MAX_HEADLINES])
+    return table(["claim", "current figure", "page"], rows[:MAX_HEADLINES])
 
 
 def replace_headline(readme: str, block: str) -> str | None:
