@@ -1,18 +1,12 @@
 """Configuration: frozen dataclasses, validated once, resolved in one place.
 
 Precedence is always keyword argument > environment variable > default. The
-environment variables are torch_cgx's, with torch_cgx's meaning and defaults, so a
-torch_cgx job moves over unchanged:
-
-====================================  ==========  =========================================
-variable                              default     meaning
-====================================  ==========  =========================================
-CGX_COMPRESSION_QUANTIZATION_BITS     32          bits per value; 32 means no compression
-CGX_COMPRESSION_BUCKET_SIZE           512         values sharing one (unit, min) pair
-CGX_COMPRESSION_MINIMAL_SIZE          16          layers with fewer values go uncompressed
-CGX_COMPRESSION_STOCHASTIC            0           1: unbiased stochastic rounding
-CGX_UCX_TIMEOUT                       300         seconds any single wait may take
-====================================  ==========  =========================================
+environment variables are torch_cgx's where torch_cgx has one, with torch_cgx's meaning
+and defaults, so a torch_cgx job moves over unchanged. :data:`ENV_VARIABLES` is the one
+table of every ``CGX_*`` variable (name, accepted values, default, meaning, the field it
+sets); the parsers read the environment only through :func:`read_env`, which refuses a
+name the table lacks, and :func:`configuration_page` renders the table as
+``docs/configuration.md``.
 
 Nothing here reads the environment at import time: :func:`resolve_compression` and
 :func:`resolve_comm` read it when they are called (the backend calls them when each
@@ -52,12 +46,16 @@ __all__ = [
     "ENV_SPIN",
     "ENV_STOCHASTIC",
     "ENV_TIMEOUT",
+    "ENV_VARIABLES",
     "NO_COMPRESSION_BITS",
     "CommConfig",
     "CompressionConfig",
+    "EnvVar",
     "compression_from_env",
+    "configuration_page",
     "describe_configuration",
     "log_configuration",
+    "read_env",
     "resolve_comm",
     "resolve_compression",
     "spin_mode",
@@ -79,6 +77,187 @@ ENV_SPIN = "CGX_UCX_SPIN"
 
 #: torch_cgx forces its minimal compressed size to at least 16 values.
 MIN_COMPRESSED_SIZE = 16
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One environment variable: a row of :data:`ENV_VARIABLES`.
+
+    ``type`` says which values it accepts, in the words of the error a bad value raises;
+    ``default`` applies while it is unset ("unset" where leaving it unset differs from
+    every value, as ``meaning`` then says); ``feeds`` names the configuration field it
+    sets, or the module or tool that reads it.
+    """
+
+    name: str
+    type: str
+    default: str
+    meaning: str
+    feeds: str
+
+
+_FLAG = "an integer (as torch_cgx reads it: > 0 on, else off)"
+_LINK_BENCH = "Set by `python -m cgx_ucx.bench link` for each rank it starts"
+
+#: Every ``CGX_*`` environment variable of the project, the one source of
+#: ``docs/configuration.md`` (:func:`configuration_page`). Compression and communicator
+#: variables are parsed here; the two-level ones by :mod:`cgx_ucx.transport.topology`.
+ENV_VARIABLES: tuple[EnvVar, ...] = (
+    EnvVar(
+        ENV_BITS,
+        "an integer in 1..8 or 32",
+        "32",
+        "Bits per value on the wire; 32 sends values as they are (no compression).",
+        "CompressionConfig.bits",
+    ),
+    EnvVar(
+        ENV_BUCKET_SIZE,
+        f"an integer in 1..{MAX_BUCKET_SIZE}",
+        "512",
+        "Values that share one float32 (unit, min) pair.",
+        "CompressionConfig.bucket_size",
+    ),
+    EnvVar(
+        ENV_MINIMAL_SIZE,
+        "an integer >= 0",
+        str(MIN_COMPRESSED_SIZE),
+        "Layers with fewer values are sent uncompressed; values below "
+        f"{MIN_COMPRESSED_SIZE} count as {MIN_COMPRESSED_SIZE}, as in torch_cgx.",
+        "CompressionConfig.minimal_size",
+    ),
+    EnvVar(
+        ENV_STOCHASTIC,
+        "0 (nearest) or 1 (stochastic)",
+        "0",
+        "1: unbiased stochastic rounding from a seeded generator; 0: round to nearest.",
+        "CompressionConfig.stochastic",
+    ),
+    EnvVar(
+        ENV_TIMEOUT,
+        f"a number of seconds > 0, at most {MAX_SECONDS:g}",
+        "300",
+        "Longest time any single wait may take: a peer silent for longer is reported "
+        "lost (`PeerLostError`).",
+        "CommConfig.timeout",
+    ),
+    EnvVar(
+        ENV_SECRET,
+        "a string",
+        "unset",
+        "Out-of-band secret every rank must present to join; unset: whoever can read "
+        "the rendezvous store is trusted. Never logged, never written to the store.",
+        "CommConfig.secret",
+    ),
+    EnvVar(
+        ENV_NODE_ID,
+        "a string of 1..255 characters",
+        "unset",
+        "This rank's node label (ranks with equal labels share a node); overrides the "
+        "launcher's and the host's view of the nodes. Set it on every rank or on none.",
+        "CommConfig.node_id",
+    ),
+    EnvVar(
+        ENV_SPIN,
+        "auto, 1 (always spin) or 0 (never)",
+        "auto",
+        "Whether the progress driver polls briefly after a completion instead of "
+        "sleeping; auto polls only while the host has a spare core.",
+        "cgx_ucx.transport.progress",
+    ),
+    EnvVar(
+        "CGX_INTRA_BROADCAST",
+        _FLAG,
+        "unset",
+        "Two-level allreduce: on, only local rank 0 of each node crosses nodes, then "
+        "broadcasts in its node (torch_cgx's default); off or unset, every rank of a node "
+        "carries a shard of the buffer across.",
+        "HierarchyConfig.scheme",
+    ),
+    EnvVar(
+        "CGX_INNER_COMMUNICATOR_TYPE",
+        "SHM, NCCL, P2P or MPI",
+        "SHM",
+        "Intra-node transport: SHM, NCCL and P2P select UCX's node-local transports "
+        "(shared memory, CMA, CUDA IPC); MPI the network path inside the node too.",
+        "HierarchyConfig.intra_transport",
+    ),
+    EnvVar(
+        "CGX_INNER_REDUCTION_TYPE",
+        "SRA or Ring",
+        "SRA",
+        "Intra-node reduction: scatter-reduce-allgather or ring.",
+        "HierarchyConfig.intra_reduction",
+    ),
+    EnvVar(
+        "CGX_CROSS_REDUCTION_TYPE",
+        "SRA or Ring",
+        "unset",
+        "Cross-node reduction: scatter-reduce-allgather or ring; unset, the allreduce "
+        "chooses as on a flat job.",
+        "HierarchyConfig.cross_reduction",
+    ),
+    EnvVar(
+        "CGX_INTRA_COMPRESS",
+        _FLAG,
+        "0",
+        "Quantize the intra-node traffic too (torch_cgx's default is 1).",
+        "HierarchyConfig.intra_compress",
+    ),
+    EnvVar(
+        "CGX_UCX_INTRA_SHM",
+        _FLAG,
+        "1",
+        "Uncompressed node-local host bytes go through shared segments the node's "
+        "ranks map; 0: through UCX's shared-memory transport.",
+        "HierarchyConfig.intra_shm",
+    ),
+    EnvVar(
+        "CGX_BENCH_LINK_DEVICE",
+        "a network device name",
+        "unset",
+        f"{_LINK_BENCH}: the shaped device whose byte counter the rank reads. Not a setting.",
+        "cgx_ucx.bench.link_worker",
+    ),
+    EnvVar(
+        "CGX_BENCH_LINK_RATE_BPS",
+        "an integer (bits per second)",
+        "unset",
+        f"{_LINK_BENCH}: the shaped link's rate. Not a setting.",
+        "cgx_ucx.bench.link_worker",
+    ),
+    EnvVar(
+        "CGX_UCX_GPU",
+        "auto, 1 or 0",
+        "auto",
+        "Whether `scripts/setup_env.sh` installs the gpu extra (CuPy); auto: where "
+        "`nvidia-smi -L` finds a GPU.",
+        "scripts/setup_env.sh",
+    ),
+    EnvVar(
+        "CGX_UCX_REQUIRE_GPU",
+        "1 or unset",
+        "unset",
+        "1: the GPU tests fail instead of skipping where no GPU is usable.",
+        "tests",
+    ),
+)
+
+_VARIABLES = {var.name: var for var in ENV_VARIABLES}
+
+
+def read_env(name: str, env: Mapping[str, str] | None = None) -> str | None:
+    """The raw value of variable ``name`` in ``env`` (default ``os.environ``), or None.
+
+    ``name`` must be a row of :data:`ENV_VARIABLES`; a variable the table does not
+    document cannot be read (KeyError), so the configuration page lists every one.
+    """
+    if name not in _VARIABLES:
+        raise KeyError(f"{name} is not in cgx_ucx.config.ENV_VARIABLES: add a row for it")
+    return (os.environ if env is None else env).get(name)
+
+
+def _accepts(name: str) -> str:
+    return _VARIABLES[name].type
 
 
 @dataclass(frozen=True)
@@ -175,31 +354,19 @@ class CommConfig:
         return self.describe()
 
 
-def _env_int(name: str, env: Mapping[str, str], what: str, ok: Any) -> int | None:
-    """The integer in variable ``name``, or None when unset; a bad value is a ConfigError
-    naming the variable and what it accepts (``what``), checked by ``ok``."""
-    raw = env.get(name)
+def _env_number(name: str, env: Mapping[str, str], kind: type, ok: Any) -> Any:
+    """The ``kind`` (int or float) in variable ``name``, or None when unset; a value that
+    is not one, or fails ``ok``, is a ConfigError naming the variable and what its row of
+    :data:`ENV_VARIABLES` says it accepts."""
+    raw = read_env(name, env)
     if raw is None or raw.strip() == "":
         return None
     try:
-        value = int(raw)
+        value = kind(raw)
     except ValueError:
         value = None
     if value is None or not ok(value):
-        raise ConfigError(f"{name}={raw!r} is not {what}")
-    return value
-
-
-def _env_float(name: str, env: Mapping[str, str], what: str, ok: Any) -> float | None:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = None
-    if value is None or not ok(value):
-        raise ConfigError(f"{name}={raw!r} is not {what}")
+        raise ConfigError(f"{name}={raw!r} is not {_accepts(name)}")
     return value
 
 
@@ -223,18 +390,11 @@ def resolve_compression(
     Keywords whose value is ``None`` count as not given.
     """
     env = os.environ if env is None else env
-    stochastic = _env_int(
-        ENV_STOCHASTIC, env, "0 (nearest) or 1 (stochastic)", lambda v: v in (0, 1)
-    )
-    minimal = _env_int(ENV_MINIMAL_SIZE, env, "an integer >= 0", lambda v: v >= 0)
+    stochastic = _env_number(ENV_STOCHASTIC, env, int, lambda v: v in (0, 1))
+    minimal = _env_number(ENV_MINIMAL_SIZE, env, int, lambda v: v >= 0)
     env_values = {
-        "bits": _env_int(ENV_BITS, env, "an integer in 1..8 or 32", VALID_BITS.__contains__),
-        "bucket_size": _env_int(
-            ENV_BUCKET_SIZE,
-            env,
-            f"an integer in 1..{MAX_BUCKET_SIZE}",
-            lambda v: 1 <= v <= MAX_BUCKET_SIZE,
-        ),
+        "bits": _env_number(ENV_BITS, env, int, VALID_BITS.__contains__),
+        "bucket_size": _env_number(ENV_BUCKET_SIZE, env, int, lambda v: 1 <= v <= MAX_BUCKET_SIZE),
         # torch_cgx forces the minimal size to at least 16 values.
         "minimal_size": None if minimal is None else max(minimal, MIN_COMPRESSED_SIZE),
         "stochastic": None if stochastic is None else bool(stochastic),
@@ -244,10 +404,11 @@ def resolve_compression(
 
 def spin_mode(env: Mapping[str, str] | None = None) -> str:
     """``CGX_UCX_SPIN``: "auto", "1" or "0" (ConfigError naming the variable otherwise)."""
-    raw = (os.environ if env is None else env).get(ENV_SPIN, "auto").strip().lower()
+    value = read_env(ENV_SPIN, env)
+    raw = ("auto" if value is None else value).strip().lower()
     mode = {"": "auto", "auto": "auto", "1": "1", "on": "1", "0": "0", "off": "0"}.get(raw)
     if mode is None:
-        raise ConfigError(f"{ENV_SPIN}={raw!r}: expected auto, 1 (always spin) or 0 (never)")
+        raise ConfigError(f"{ENV_SPIN}={raw!r}: expected {_accepts(ENV_SPIN)}")
     return mode
 
 
@@ -260,8 +421,12 @@ def compression_from_env() -> CompressionConfig:
     the four CGX_COMPRESSION_* variables changed: a backend asks on every call (the
     environment may change between calls), and resolving costs tens of microseconds."""
     global _from_env
-    get = os.environ.get
-    key = (get(ENV_BITS), get(ENV_BUCKET_SIZE), get(ENV_MINIMAL_SIZE), get(ENV_STOCHASTIC))
+    key = (
+        read_env(ENV_BITS),
+        read_env(ENV_BUCKET_SIZE),
+        read_env(ENV_MINIMAL_SIZE),
+        read_env(ENV_STOCHASTIC),
+    )
     cached = _from_env
     if cached is not None and cached[0] == key:
         return cached[1]
@@ -277,14 +442,9 @@ def resolve_comm(
 ) -> CommConfig:
     """Resolve a :class:`CommConfig`: keyword > environment > ``base`` > default."""
     env = os.environ if env is None else env
-    timeout = _env_float(
-        ENV_TIMEOUT,
-        env,
-        f"a number of seconds > 0, at most {MAX_SECONDS:g}",
-        lambda v: 0 < v <= MAX_SECONDS,
-    )
-    secret = env.get(ENV_SECRET) or None
-    node_id = env.get(ENV_NODE_ID) or None
+    timeout = _env_number(ENV_TIMEOUT, env, float, lambda v: 0 < v <= MAX_SECONDS)
+    secret = read_env(ENV_SECRET, env) or None
+    node_id = read_env(ENV_NODE_ID, env) or None
     env_values = {"timeout": timeout, "secret": secret, "node_id": node_id}
     return _merge(CommConfig, base or CommConfig(), env_values, kwargs)
 
@@ -297,8 +457,12 @@ def environment_problems(
     out the CGX_COMPRESSION_* ones (a group given explicit compression ignores them)."""
     env = os.environ if env is None else env
     checks: list[Any] = [lambda: resolve_comm(env=env), lambda: spin_mode(env)]
-    names = [name for name in _COMPRESSION_ENV if name in env] if compression else []
-    checks += [functools.partial(resolve_compression, env={name: env[name]}) for name in names]
+    values = {name: read_env(name, env) for name in _COMPRESSION_ENV} if compression else {}
+    checks += [
+        functools.partial(resolve_compression, env={name: raw})
+        for name, raw in values.items()
+        if raw is not None
+    ]
     problems = []
     for check in checks:
         try:
@@ -369,3 +533,43 @@ def log_configuration(
     line = describe_configuration(comm, compression, **kw)
     log.info("cgx_ucx configuration: %s", line)
     return line
+
+
+#: The shell command that writes ``docs/configuration.md`` (tests/test_docs.py checks it).
+PAGE_COMMAND = (
+    "python -c 'import cgx_ucx.config as c; print(c.configuration_page(), end=\"\")' "
+    "> docs/configuration.md"
+)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def configuration_page() -> str:
+    """``docs/configuration.md``: the precedence rule, then :data:`ENV_VARIABLES` as a table."""
+    lines = [
+        "# Configuration",
+        "",
+        f"<!-- Generated from ENV_VARIABLES in cgx_ucx/config.py by: {PAGE_COMMAND} -->",
+        "",
+        "Every setting resolves in one place, in one order: a keyword argument "
+        "(`CompressionConfig(bits=4)`, `CommConfig(timeout=60)`, `CGXOptions`) wins over "
+        "the environment variable, which wins over the default.",
+        "",
+        "The torch backend checks every variable when the process group is made, so a bad "
+        "value fails at `init_process_group` and names the variable; it reads the "
+        "`CGX_COMPRESSION_*` variables again when each collective starts, so a script may "
+        "change them between calls, as with torch_cgx. Where torch_cgx has a variable, "
+        "its name and meaning are kept, and its default unless the row says otherwise.",
+        "",
+        "| Variable | Accepts | Default | Meaning | Sets |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for var in ENV_VARIABLES:
+        default = var.default if var.default == "unset" else f"`{var.default}`"
+        lines.append(
+            f"| `{var.name}` | {_cell(var.type)} | {default} | {_cell(var.meaning)} "
+            f"| `{var.feeds}` |"
+        )
+    return "\n".join(lines) + "\n"

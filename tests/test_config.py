@@ -93,8 +93,8 @@ def test_bad_environment_value_names_the_variable(name, raw, accepts):
 
 
 def test_an_infinite_timeout_is_refused_not_a_crash_at_close():
-    """Review (session 10): CGX_UCX_TIMEOUT=inf passed the check and close() then died
-    in an OverflowError of the platform's timed wait."""
+    """Infinite and huge timeouts are refused when resolved: the platform's timed wait
+    raises OverflowError on them, at close."""
     for raw in ("inf", "1e309", "2e9"):
         with pytest.raises(ConfigError, match="at most 1e"):
             resolve_comm(env={ENV_TIMEOUT: raw})
@@ -153,8 +153,8 @@ def test_init_process_group_rejects_a_bad_variable(monkeypatch, tmp_path):
 
 @pytest.mark.timeout(60)
 def test_init_process_group_names_every_bad_variable_two_level_ones_too(monkeypatch, tmp_path):
-    """Review (session 10): the two-level (torch_cgx) variables were checked only at
-    connect, one at a time, and a peer saw only "connect failed elsewhere"."""
+    """The two-level (torch_cgx) variables are checked with the others when the group is
+    made, all named in one error: no rank is left to fail alone at connect."""
     pytest.importorskip("torch")
     import torch.distributed as dist
 
@@ -205,8 +205,8 @@ def test_bad_spin_mode_is_caught_with_the_other_variables():
 
 
 def test_explicit_configs_refuse_values_that_would_fail_later():
-    """Found by the adversarial review: these were accepted and failed at the first call
-    (a struct.error), or silently meant something else (a truthy string)."""
+    """Values that would fail at the first call (a struct.error) or mean something else
+    (a truthy string) are refused when the config is made."""
     with pytest.raises(ConfigError, match="bucket_size"):
         CompressionConfig(bits=4, bucket_size=2**32)
     assert CompressionConfig(bits=4, bucket_size=2**32 - 1).bucket_size == 2**32 - 1
