@@ -63,7 +63,7 @@ case "${CGX_UCX_GPU:-auto}" in
         fi
         ;;
 esac
-_extras="torch,test,bench,examples"
+_extras="torch,test,bench,examples,docs"
 if [ "$_gpu" = 1 ]; then
     _extras="$_extras,gpu"
 fi
@@ -82,7 +82,7 @@ if [ "$(cat "$_stamp" 2>/dev/null)" != "$_want" ]; then
     else
         _say "GPU extra (CuPy): no ($_why)"
     fi
-    _step "installing cgx_ucx[$_extras] (editable): torch CPU, ucxx, numba, pytest, ... (~1-4 min: torch alone unpacks ~750 MB)" \
+    _step "installing cgx_ucx[$_extras] (editable): torch CPU, ucxx, numba, pytest, mkdocs, ... (~1-4 min: torch alone unpacks ~750 MB)" \
         "$_venv/bin/python" -m pip install -c "$_root/scripts/constraints.txt" -e "$_root[$_extras]"
     if [ "$_gpu" = 0 ] && "$_venv/bin/python" -m pip show -q cupy-cuda12x >/dev/null 2>&1; then
         _say "note: CuPy from an earlier set-up stays in .venv (pip uninstall cupy-cuda12x drops it)"
