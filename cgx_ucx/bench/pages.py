@@ -45,6 +45,9 @@ HEADLINE_END = "<!-- headline:end -->"
 PAGE_LINK = "docs/benchmarks.md"
 #: Images of the page, relative to the page.
 IMAGE_DIR = "img"
+#: The names of the result plots (``<machine class>-<result>.png``): the only images of
+#: ``docs/img/`` that rendering replaces or removes.
+_IMAGE_NAME = re.compile(r"[a-z0-9]+-\d+core-[A-Za-z0-9_.-]+\.png")
 #: Sections in this order within a machine class; other results follow by name.
 ORDER = [
     "codec",
@@ -428,8 +431,8 @@ def write(results_root: Path, page: Path, readme: Path | None, draw: bool = True
                 keep.add(path)
                 written.append(path)
         for stale in (page.parent / IMAGE_DIR).glob("*.png"):
-            if stale not in keep:
-                stale.unlink()
+            if stale not in keep and _IMAGE_NAME.fullmatch(stale.name):
+                stale.unlink()  # a result's plot whose result is gone
     if readme is not None and readme.exists():
         replaced = replace_headline(readme.read_text(), headline_table(results))
         if replaced is None:
