@@ -24,7 +24,17 @@ from typing import Any
 from . import plots
 from .provenance import REPO_ROOT
 from .report import HelpFormatter
-from .sections import RENDERERS, SUMMARIES, TITLES, fmt, percent, provenance_line, ratio, table
+from .sections import (
+    RENDERERS,
+    SUMMARIES,
+    TITLES,
+    accuracy,
+    fmt,
+    percent,
+    provenance_line,
+    ratio,
+    table,
+)
 
 __all__ = [
     "HEADLINE_END",
@@ -328,8 +338,8 @@ def _train_row(results: list[Result]) -> list[str] | None:
         none["bytes_per_step"] / static["bytes_per_step"] if static.get("bytes_per_step") else None
     )
     figure = (
-        f"static 4-bit: {fmt(static.get('accuracy'))}% accuracy against "
-        f"{fmt(none.get('accuracy'))}% uncompressed, {ratio(less)} fewer bytes per step"
+        f"static 4-bit: {accuracy(static.get('accuracy'))}% accuracy against "
+        f"{accuracy(none.get('accuracy'))}% uncompressed, {ratio(less)} fewer bytes per step"
     )
     return ["Same accuracy, fewer bytes", figure, _link(result, result.title)]
 

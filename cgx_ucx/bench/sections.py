@@ -16,6 +16,7 @@ __all__ = [
     "RENDERERS",
     "SUMMARIES",
     "TITLES",
+    "accuracy",
     "fmt",
     "percent",
     "provenance_line",
@@ -49,6 +50,12 @@ def fmt(value: Any, unit: str = "") -> str:
 def ratio(value: Any) -> str:
     """A speed-up or a ratio of times: ``6.9x`` (``-`` for a missing one)."""
     return "-" if value is None else fmt(value, "x")
+
+
+def accuracy(value: Any) -> str:
+    """An accuracy in percent with two decimals (``97.59``): three digits hide the
+    differences between policies."""
+    return "-" if value is None else f"{value:.2f}"
 
 
 def percent(value: Any, digits: int = 2) -> str:
@@ -390,7 +397,7 @@ def _train(data: dict[str, Any]) -> list[str]:
         rows.append(
             [
                 r.get("policy", "-"),
-                fmt(r.get("accuracy")),
+                accuracy(r.get("accuracy")),
                 f"{nbytes:,} ({less})",
                 fmt(r.get("step_ms_median")),
                 fmt(r.get("final_loss")),
