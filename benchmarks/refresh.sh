@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Re-run every CPU benchmark that docs/benchmarks.md shows, with the options of its tracked
 # result, into benchmarks/results/<machine class>/ of this checkout, then render the page:
-#   sudo bash benchmarks/refresh.sh         # about 23 minutes on 2 cores
+#   sudo bash benchmarks/refresh.sh         # about 24 minutes on 2 cores (steps: below)
 #   DRY_RUN=1 bash benchmarks/refresh.sh    # only check that every command line parses
 # Needs root (link, nodes and train --link-rate build network namespaces) and a quiet
 # machine: each JSON records the load before and after its run. PYTHON selects the
