@@ -3,7 +3,7 @@ namespaces in the middle of a stream of allreduces, and a first compressed allre
 CPU kernels must compile (empty Numba cache) under a short timeout.
 
 Each test prints what it measured (time from the fault to every rank's error, close and
-process-exit times) so the README's "Failures" figures can be read off ``pytest -s``.
+process-exit times) so the timings in docs/failures.md can be read off ``pytest -s``.
 SIGKILL, world-size mismatch and unreachable-rank cases are in tests/test_failures.py.
 """
 

@@ -3,7 +3,7 @@
 - ``fsdp2_cgx.py``: FSDP2 on the cgx backend prints the same losses as on gloo.
 - ``asyncio_grad_sync.py``: the asyncio loop with ``await gs`` trains (loss goes down)
   and ends with bit-identical replicas.
-- ``multinode_torchrun.py``: the README's two-node command, as two torchrun launches on
+- ``multinode_torchrun.py``: the two-node command of docs/nodes.md, as two torchrun launches on
   this host (``--nnodes 2 --nproc-per-node 1``, c10d rendezvous on localhost); cgx sees
   two nodes (GROUP_RANK 0 and 1) and the replicas end identical.
 - ``clean_exit_loop.py``: a short 2-rank cgx job exits 0, run a few times in a row.
