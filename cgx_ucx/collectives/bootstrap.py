@@ -1,0 +1,98 @@
+"""What :func:`~.communicator.connect` does between the connected mesh and the first
+collective: the CPU codec's kernels compiled (or loaded) on every rank, its threads
+shared out between the ranks of a host, and the store counter the ranks meet at.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import time
+from typing import Any
+
+from ..config import CommConfig
+from .transport import Transport
+
+__all__ = ["all_counted", "codec_ready", "share_codec_threads", "start_codec_warm_up"]
+
+log = logging.getLogger("cgx_ucx")
+
+
+def start_codec_warm_up() -> concurrent.futures.Future | None:
+    """Compile (or load) the CPU codec's kernels on a thread; None without Numba."""
+    try:
+        from ..compression import cpu
+    except ImportError:  # pragma: no cover
+        return None
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cgx-warm-up")
+    fut = pool.submit(cpu.warm_up)
+    pool.shutdown(wait=False)
+    return fut
+
+
+async def codec_ready(
+    warm: concurrent.futures.Future | None,
+    store: Any,
+    mesh: Transport,
+    config: CommConfig,
+    prefix: str,
+) -> None:
+    """Wait (bounded by ``connect_timeout``) until the codec is compiled on every rank.
+
+    A cold compile (a fresh install: an empty Numba cache) takes seconds; inside a first
+    collective it would make a peer that was ready time out waiting for this rank. So no
+    rank returns from connect before every rank's kernels are loaded: a counter in the
+    store, under the communicator's job-unique id. Past the bound the connect goes on (a
+    warning): a slow compile must not fail the run.
+    """
+    end = time.monotonic() + config.connect_timeout
+    if warm is not None:
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(warm), config.connect_timeout)
+        except TimeoutError:
+            log.warning("codec kernels not compiled within connect_timeout; going on")
+        except Exception as exc:  # the first compressed call reports it, typed
+            log.warning("codec warm-up failed: %s", exc)
+    if mesh.world_size == 1:
+        return
+    key = f"{prefix}/codec_ready/{mesh.job:x}"
+    if not await all_counted(store, key, mesh.world_size, end, pause=0.005):
+        log.warning("not every rank compiled its codec within connect_timeout; going on")
+
+
+async def all_counted(store: Any, key: str, n: int, end: float, pause: float = 0.002) -> bool:
+    """Count this rank in the store counter ``key`` and wait until all ``n`` ranks are,
+    asking every ``pause`` seconds (False when the monotonic deadline ``end`` passes)."""
+    count = int(store.add(key, 1))
+    while count < n:
+        if time.monotonic() > end:
+            return False
+        await asyncio.sleep(pause)
+        count = int(store.add(key, 0))
+    return True
+
+
+def share_codec_threads(local_ranks: int) -> None:
+    """Give the CPU codec ``cores // local ranks`` threads, unless someone chose already.
+
+    A parallel Numba kernel waits for its slowest thread; with several ranks per host
+    each running all-core kernels, the threads oversubscribe the cores and wait for time
+    slices: a large 4-bit allreduce then runs several times slower than with the cores
+    shared out between the ranks.
+    """
+    try:
+        from ..compression import cpu
+    except ImportError:  # pragma: no cover
+        return
+    if cpu.threads_chosen():
+        return
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    limit = cpu.num_threads()
+    threads = max(1, min(cores // max(local_ranks, 1), limit))
+    cpu.set_num_threads(threads)
+    log.info("codec threads per rank: %d (%d cores, %d ranks here)", threads, cores, local_ranks)
