@@ -28,7 +28,6 @@ from .sections import (
     RENDERERS,
     SUMMARIES,
     TITLES,
-    accuracy,
     fmt,
     percent,
     provenance_line,
@@ -338,8 +337,8 @@ def _train_row(results: list[Result]) -> list[str] | None:
         none["bytes_per_step"] / static["bytes_per_step"] if static.get("bytes_per_step") else None
     )
     figure = (
-        f"static 4-bit: {accuracy(static.get('accuracy'))}% accuracy against "
-        f"{accuracy(none.get('accuracy'))}% uncompressed, {ratio(less)} fewer bytes per step"
+        f"static 4-bit: {fmt(static.get('accuracy'))}% accuracy against "
+        f"{fmt(none.get('accuracy'))}% uncompressed, {ratio(less)} fewer bytes per step"
     )
     return ["Same accuracy, fewer bytes", figure, _link(result, result.title)]
 
