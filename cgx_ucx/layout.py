@@ -2,7 +2,7 @@
 
 A layout travels with every allreduce call (DESIGN.md, data path step 2): nothing is
 inferred from call order, so an unrelated all_reduce in between cannot corrupt the
-bookkeeping (torch_cgx issue #5). Ranks compare a 64-bit digest of the layout in
+bookkeeping (IST-DASLab/torch_cgx#5). Ranks compare a 64-bit digest of the layout in
 every message header; different layouts on different ranks are a
 :class:`~cgx_ucx.errors.CollectiveMismatchError`, never silently wrong numbers.
 """

@@ -152,7 +152,7 @@ def _prepare(
     dtype = np.dtype(flat.dtype)
     avg = op == "avg"
     _check_dtype(dtype, lay.compressed, avg)
-    # Two levels (issue 11): "auto" where the topology and its HierarchyConfig say so,
+    # Two levels: "auto" where the topology and its HierarchyConfig say so,
     # "hierarchical" asked for; flat where they do not apply.
     flat_name = "auto" if algorithm == "hierarchical" else algorithm
     algo = _algorithm(flat_name, world_size, flat.size * dtype.itemsize, oneshot_limit)

@@ -164,7 +164,7 @@ def abort_error(src: int, seq: int, code: int, culprit: int, reason: str, rank: 
 def mismatch_error(seq: int, name: str, problems: list[str]) -> CollectiveMismatchError:
     """The error of collective ``seq`` whose ranks disagree (``problems``: one line each)."""
     # Every rank numbers its collectives in call order, so a rank that issued them in
-    # another order (PowerSGD with several DDP buckets, issue 12) meets a different call
+    # another order (PowerSGD with several DDP buckets) meets a different call
     # under the same number: say so, not only "disagree".
     return CollectiveMismatchError(
         f"collective #{seq} ({name}): ranks disagree: ranks issued collectives in a "

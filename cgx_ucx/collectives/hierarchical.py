@@ -1,5 +1,5 @@
 """The two-level allreduce: node-local reduce-scatter, cross-node allreduce per shard,
-node-local allgather (issue 11; DESIGN.md "Topology").
+node-local allgather (DESIGN.md "Topology").
 
 With ``S`` shards (the smallest node's size; 1 for the leader scheme) the buffer is cut
 into ``S`` shards on bucket boundaries (:mod:`.plan`). On a rank of local index ``i``:

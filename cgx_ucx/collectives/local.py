@@ -1,4 +1,4 @@
-"""Small collectives of a one-host group through node-local mailboxes (issue 10).
+"""Small collectives of a one-host group through node-local mailboxes.
 
 Where every rank of a communicator runs on one host (and node-local shared memory is on,
 ``CGX_UCX_INTRA_SHM``), the one-round allreduce (:mod:`.oneshot`) and the barrier do not

@@ -44,7 +44,9 @@ PIECE_BYTES = 4 << 20
 #: size: each piece costs a rendezvous hand-shake per message and a hand-off to the codec
 #: thread (on 2 vCPUs, 2 ranks, 64 MiB at 4 bits over loopback: 1 MiB pieces 78 ms,
 #: 2 MiB 57, 4 MiB 44, 8 MiB 40, 16 MiB 39; over the emulated 10 Gbit/s link, interleaved,
-#: 8 MiB 45.6-49.8 ms against 4 MiB 50.3-52.5; session 10).
+#: 8 MiB 45.6-49.8 ms against 4 MiB 50.3-52.5; measured with this constant varied by
+#: ``python -m cgx_ucx.bench allreduce --world 2 --sizes 64 --bits 4`` and
+#: ``python -m cgx_ucx.bench link --rates 10gbit --world 2 --sizes 64``).
 PIECE_GROWTH = 2
 #: ... while each chunk keeps at least this many pieces to overlap codec and wire (16 MiB
 #: at 1 Gbit/s on 2 ranks: 31 ms as one 8 MiB piece per chunk, 25 ms as two of 4 MiB).

@@ -61,7 +61,7 @@ def host_run(spec: AllreduceSpec, dtype: np.dtype) -> HostRun:
     """The host codec of the one piece of a compressed one-round ``spec`` (the mailbox
     path, :mod:`.local`, and the message path, :mod:`.oneshot`) on values of ``dtype``,
     built once per spec: the same bytes and sums as :func:`.encode_piece` /
-    :func:`.decode_add_piece`, without their per-segment checks in Python (issue 10)."""
+    :func:`.decode_add_piece`, without their per-segment checks in Python."""
     key = ("host_run", dtype)
     run = spec.memo.get(key)
     if run is None:

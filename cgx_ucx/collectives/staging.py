@@ -23,7 +23,7 @@ __all__ = ["BufferPool", "as_flat", "byte_view", "synchronize"]
 def as_flat(x: Any, what: str = "x", writable: bool = False) -> Any:
     """A 1-D view of a C-contiguous NumPy/CuPy array (no copy); ConfigError otherwise.
     ``writable``: the collective writes into it, so a read-only array is refused here,
-    before the call starts (else it failed mid-transfer, on one rank, untyped)."""
+    before the call starts (else it would fail mid-transfer, on one rank, untyped)."""
     if is_array(x):
         if not x.flags.c_contiguous:
             raise ConfigError(f"{what} must be C-contiguous")

@@ -673,6 +673,6 @@ def warm_up() -> None:
     takes (float32, float16, bfloat16), so that no first call compiles.
 
     :func:`cgx_ucx.collectives.connect` runs it on a thread while it connects: a cold
-    compile takes seconds, and it must never run inside a peer's deadline (issue 10).
+    compile takes seconds, and it must never run inside a peer's deadline.
     """
     warmup((np.float32, np.float16, BFLOAT16))

@@ -1,15 +1,14 @@
 """A fixed run of segments encoded back to back on the host, with its checks made once.
 
-A one-round allreduce of a small buffer (issue 10) encodes one run of segments (a piece:
-each segment a part of one layer with its own bits and bucket size) and decode-adds N of
-them. Through :func:`~.codec.encode` / :func:`~.codec.decode_add` each segment pays the
-generic argument checks, a header pack or parse and the kernel set-up in Python: about
-20-30 us per call on a 2-vCPU VM around a kernel of 1-2 us for 1024 values (session 12
-probe). A :class:`HostRun` does that work once per layout: the headers, offsets, chunking
-and scratch sizes are computed when it is built; a call checks what can differ between
-calls (the buffers' sizes, the meta's alignment: an unaligned float32 view is another Numba
-type, see ``cpu._meta_view``; and, on decode, every header byte) and calls the
-kernels of :mod:`.cpu` directly.
+A one-round allreduce of a small buffer encodes one run of segments (a piece: each
+segment a part of one layer with its own bits and bucket size) and decode-adds N of them.
+Through :func:`~.codec.encode` / :func:`~.codec.decode_add` each segment pays the generic
+argument checks, a header pack or parse and the kernel set-up in Python, which for a small
+segment take many times the kernel's own time. A :class:`HostRun` does that work once per
+layout: the headers, offsets, chunking and scratch sizes are computed when it is built; a
+call checks what can differ between calls (the buffers' sizes, the meta's alignment: an
+unaligned float32 view is another Numba type, see ``cpu._meta_view``; and, on decode,
+every header byte) and calls the kernels of :mod:`.cpu` directly.
 
 The bytes written and the values accumulated are exactly those of
 :func:`~.codec.encode` and :func:`~.codec.decode_add` segment by segment (the same

@@ -80,7 +80,7 @@ class AutoPolicy(Policy):
        (30%: well below the 2x a wrong choice costs on a slow link) the link and codec
        are probed again and the assignment recomputed. Medians, not an EWMA: on a shared
        host single steps spike several times over when other processes run, and an EWMA
-       turned such spikes into false alarms on an unchanged link (a re-probe, and a
+       turns such spikes into false alarms on an unchanged link (a re-probe, and a
        switched assignment for a whole interval); medians ignore them.
     """
 
@@ -158,8 +158,8 @@ class AutoPolicy(Policy):
             return False
         # A re-probe costs ``_probe_seconds`` of every rank's time; a drift of ``delta``
         # per step cannot repay it within ``check_every`` steps when smaller. Without this
-        # check, noise on short steps fired re-probes whose cost made auto measurably
-        # slower than the policy it picked.
+        # check, noise on short steps fires re-probes whose cost makes auto slower than the
+        # policy it picks.
         return delta * self.check_every > self._probe_seconds
 
     # -- protocol -------------------------------------------------------------------------
