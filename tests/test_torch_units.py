@@ -19,9 +19,9 @@ from cgx_ucx.errors import CGXError, CGXTimeoutError, ConfigError, PeerLostError
 from cgx_ucx.layout import Layout  # noqa: E402
 from cgx_ucx.torch import BACKEND_NAME, CGXOptions, layer_layout, wire_bytes  # noqa: E402
 from cgx_ucx.torch._convert import as_array  # noqa: E402
-from cgx_ucx.torch.backend import _comm_config  # noqa: E402
 from cgx_ucx.torch.futures import Finished, to_torch_future  # noqa: E402
 from cgx_ucx.torch.ops import GroupView, _local_reduce, allreduce_into  # noqa: E402
+from cgx_ucx.torch.options import comm_config as _comm_config  # noqa: E402
 from cgx_ucx.torch.work import CGXWork  # noqa: E402
 
 

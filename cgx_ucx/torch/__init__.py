@@ -6,16 +6,12 @@ Importing this package registers the ``cgx`` backend (idempotent), so
 """
 
 from ._policy import POLICY_NAMES
-from .backend import (
-    BACKEND_NAME,
-    CGXOptions,
-    ProcessGroupCGX,
-    close_communicators,
-    get_communicator,
-    register,
-)
+from .backend import register
+from .communicators import close_communicators, get_communicator
 from .grad_sync import GradientSync
 from .hook import CGXState, cgx_hook, layer_layout, wire_bytes
+from .options import CGXOptions
+from .process_group import BACKEND_NAME, ProcessGroupCGX
 from .work import CGXWork
 
 register()

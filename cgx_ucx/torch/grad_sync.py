@@ -69,7 +69,7 @@ from ..layout import Layout
 from ._convert import as_array
 from ._feedback import LayerFeedback, split_state
 from ._policy import DEFAULT_LOG_EVERY, PolicyRunner, check_policy_args, named_parameters
-from .backend import get_communicator
+from .communicators import get_communicator
 from .layers import PAPER_DEFAULTS, bucket_seed, layer_layout, wire_bytes
 from .protocols import Communicator
 
@@ -541,7 +541,7 @@ class GradientSync:
 
 def _comm_timeout(group: dist.ProcessGroup | None) -> float:
     """The wait bound: the cgx group's timeout, else CGX_UCX_TIMEOUT / the default."""
-    from .backend import ProcessGroupCGX
+    from .process_group import ProcessGroupCGX
 
     group = group if group is not None else dist.group.WORLD
     if isinstance(group, ProcessGroupCGX):

@@ -57,7 +57,7 @@ from ._policy import (
     check_policy_args,
     named_parameters,
 )
-from .backend import get_communicator
+from .communicators import get_communicator
 from .futures import to_torch_future
 from .layers import PAPER_DEFAULTS, bucket_seed, layer_layout, wire_bytes
 from .protocols import Communicator

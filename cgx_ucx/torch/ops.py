@@ -3,7 +3,7 @@
 Each function checks its tensors, starts the engine's collective and returns a
 :class:`Pending`: the engine future and the step that writes the results into the
 caller's tensors once it completes (run on a completion thread, never on the engine's
-loop). :class:`~cgx_ucx.torch.backend.ProcessGroupCGX` wraps it into a Work.
+loop). :class:`~cgx_ucx.torch.process_group.ProcessGroupCGX` wraps it into a Work.
 
 - exact reductions other than SUM/AVG (MAX, MIN, PRODUCT, bitwise): an allgather and a
   local reduction in rank order, so every rank computes the identical value;

@@ -1,7 +1,7 @@
 """The duck types the torch layer accepts: a communicator and a rendezvous store.
 
 The engine's :class:`~cgx_ucx.engine.SyncCommunicator` is what
-:func:`~cgx_ucx.torch.backend.get_communicator` hands out and what ``communicator=`` of
+:func:`~cgx_ucx.torch.communicators.get_communicator` hands out and what ``communicator=`` of
 :class:`~cgx_ucx.torch.hook.CGXState`, :class:`~cgx_ucx.torch.grad_sync.GradientSync`
 and the ``cgx`` process group take; :class:`Communicator` names the part of it they use,
 so that a wrapper (or a test double) with these members works too. It includes what
