@@ -29,7 +29,7 @@ __all__ = [
     "is_float",
 ]
 
-#: Dtypes the codec quantizes (issue 2: float32, float16, bfloat16).
+#: Dtypes the codec quantizes.
 FLOAT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
 #: Dtypes the engine sums itself. Those outside FLOAT_DTYPES go uncompressed (exact
@@ -69,7 +69,7 @@ def as_array(tensor: torch.Tensor) -> Any:
     if tensor.layout is not torch.strided:
         raise ConfigError(f"cgx_ucx moves dense tensors only, got layout {tensor.layout}")
     if tensor.is_cpu and tensor.dtype in _PLAIN_CPU and tensor.is_contiguous():
-        # The common case, in fewest steps (every small all_reduce pays them; issue 10):
+        # The common case, in fewest steps (every small all_reduce pays them):
         # a contiguous host tensor of a NumPy dtype is its own array view.
         return (tensor.detach() if tensor.requires_grad else tensor).numpy()
     if not tensor.is_contiguous():

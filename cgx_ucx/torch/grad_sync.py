@@ -345,10 +345,9 @@ class GradientSync:
 
         A parameter no hook delivered contributes its ``param.grad`` as it is (what
         backward passes under :meth:`no_sync` accumulated, or what a previous
-        synchronize left), or zeros without one or when it no longer requires grad
-        (review, session 10: it always contributed zeros, so a synchronize after
-        accumulating only under no_sync(), or a second synchronize, zeroed every
-        gradient)."""
+        synchronize left), or zeros without one or when it no longer requires grad, so
+        that a synchronize after accumulating under no_sync() alone, or a second
+        synchronize, keeps the gradients."""
         with self._lock:
             self._check_model()
             for b in self._buckets[self._next :]:
@@ -387,7 +386,7 @@ class GradientSync:
     def _check_model(self) -> None:
         """A module given at construction that now holds parameters with a gradient and
         no hook (a layer replaced or added later) would leave them un-averaged and the
-        replicas apart: refuse (review, session 10)."""
+        replicas apart: refuse."""
         if self._module is None:
             return
         for name, p in self._module.named_parameters():

@@ -4,7 +4,7 @@ As torch_cgx users know it, without its "register layers at step 2" bookkeeping:
 call builds the bucket's layer layout from ``bucket.gradients()`` and sends it with
 the allreduce (DESIGN.md, data path step 2), so DDP's bucket rebuild after the first
 iteration, and any other all_reduce in the same job, compressed or not, cannot
-confuse it (torch_cgx issue #5).
+confuse it (IST-DASLab/torch_cgx#5).
 
 Algorithm of one call (``cgx_hook(state, bucket)``), each step one public method of
 :class:`CGXState` (the state holds the fields, the hook the algorithm, as PyTorch's own
@@ -364,9 +364,8 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
     # 6. Stats (the last bucket ends the step).
     state.record_sent(wire_bytes(layout, buf.element_size(), state.world_size), last=last)
     # 7. Through a then(): torch's Python Future.set_exception stores the error as the
-    # future's value, which DDP's reducer then tried to cast to a Tensor ("Unable to cast
-    # rank 1 is gone ... to Tensor"); a callback that raises marks the chained future
-    # failed, so DDP re-raises "... PeerLostError: rank 1 is gone" (review, session 10).
+    # future's value, which DDP's reducer then fails to cast to a Tensor; a callback that
+    # raises marks the chained future failed, so DDP re-raises the engine's error itself.
     return to_torch_future(cf, lambda _: buf).then(_unwrap)
 
 

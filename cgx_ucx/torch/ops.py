@@ -119,7 +119,7 @@ def staged(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
         return t, _nothing
     if any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride(), strict=True)):
         # An expanded view: several elements share one memory location, so no result can
-        # be written into it (torch refused the copy back after the call had run; review).
+        # be written into it, and copying back would fail only after the call had run.
         raise ConfigError(
             f"the cgx backend writes results into the tensor, and this one (shape "
             f"{tuple(t.shape)}, strides {t.stride()}) is an expanded view whose elements "

@@ -36,7 +36,7 @@ class RecvWork(CGXWork):
     def wait(self, timeout: Any = None) -> bool:
         """As :meth:`CGXWork.wait`; a receive whose wait times out is cancelled, and its
         stream (source, tag) fails from then on: left posted, it would take the next
-        message and every later receive would get the one after (review, session 10)."""
+        message and every later receive would get the one after."""
         try:
             return super().wait(timeout)
         except CGXTimeoutError:
