@@ -186,19 +186,22 @@ def cross_groups(
     """The cross-node stage of one shard as consecutive groups of its pieces.
 
     Why: the owners reduce their node's pieces, then allreduce the shard across nodes,
-    then send it to the node. With one cross-node allreduce per shard, the network waited
+    then send it to the node. With one cross-node allreduce per shard, the network waits
     for the whole node-local stage and the node for the whole network stage (on 2 x 2
-    ranks at 1 Gbit/s, the 68 ms on the link came on top of 147 ms of CPU). Groups overlap
+    ranks at 1 Gbit/s, the 68 ms on the link come on top of 147 ms of CPU). Groups overlap
     them: group g crosses the network while the owner adds the node's pieces of group
     g + 1 (on 2 x 2 ranks, 64 MiB at 4 bits: 177-195 ms against 205-227 with one group,
-    same load). Each group runs SRA on its own slots (``slot_base``), so groups of one call
-    never take each other's frames. Ring keeps one group (its slots are taken by steps).
+    same load; ``python -m cgx_ucx.bench nodes --rates 1gbit --sizes 64 --bits 4`` with
+    :data:`CROSS_GROUPS` varied). Each group runs SRA on its own slots (``slot_base``), so
+    groups of one call never take each other's frames. Ring keeps one group (its slots are
+    taken by steps).
     """
     n = len(chunk.pieces)
     whole = ((range(n), spec, 0),)  # ``spec`` already plans the whole shard
     # Uncompressed shards keep one group: the link is their bound, and several
-    # rendezvous transfers at once on one endpoint measured slower (2 x 2 at 1 Gbit/s,
-    # 64 MiB float32: 981-1098 ms with 4 groups against 769-871 with one).
+    # rendezvous transfers at once on one endpoint are slower (2 x 2 at 1 Gbit/s, 64 MiB
+    # float32: 981-1098 ms with 4 groups against 769-871 with one; the same command at
+    # --bits 32).
     count = min(CROSS_GROUPS, n) if spec.algorithm == Algo.SRA and not spec.raw else 1
     if count <= 1:
         return whole

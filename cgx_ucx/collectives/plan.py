@@ -49,7 +49,8 @@ PIECE_BYTES = 4 << 20
 #: ``python -m cgx_ucx.bench link --rates 10gbit --world 2 --sizes 64``).
 PIECE_GROWTH = 2
 #: ... while each chunk keeps at least this many pieces to overlap codec and wire (16 MiB
-#: at 1 Gbit/s on 2 ranks: 31 ms as one 8 MiB piece per chunk, 25 ms as two of 4 MiB).
+#: at 1 Gbit/s on 2 ranks: 31 ms as one 8 MiB piece per chunk, 25 ms as two of 4 MiB;
+#: ``python -m cgx_ucx.bench link --rates 1gbit --world 2 --sizes 16``).
 MIN_PIECES = 4
 
 

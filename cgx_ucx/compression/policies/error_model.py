@@ -8,7 +8,7 @@ whole layer when it has at most ``sample_values`` values) and scaled to the laye
 per value (one min/max pass for all candidates) assumes the rounding error is spread
 uniformly over a unit. Measured against the codec it holds within 2% for Gaussian and
 Student-t buckets, but not where values sit on a few points: with 90% exact zeros (ReLU,
-dropout, embedding rows) the real error at 2 bits was 1.6x the model's, since every zero
+dropout, embedding rows) the real error at 2 bits is 1.6x the model's, since every zero
 lands at the same offset from the grid.
 The measurement is exact for any distribution, at a bounded cost: at most
 ``sample_values`` values per layer and candidate, only on the few steps before a decision.
