@@ -2,10 +2,10 @@
 higher ones, each connection proving membership, :mod:`.handshake`), the data channel
 (worker-address endpoints and a keyed HELLO on each), all bounded by the connect deadline.
 
-Failing fast and naming the culprit (issue 13): a rank whose connect fails publishes why
-in the store, and every other rank's set-up steps race that news, so every rank names the
-culprit within ~0.1 s of the first failure instead of waiting out its own dial (and then
-blaming a healthy rank); each step is bounded by what is left of ``connect_timeout``.
+A rank whose connect fails publishes why in the store, and every other rank's set-up
+steps race that news, so every rank names the culprit within ~0.1 s of the first failure
+rather than waiting out its own dial and blaming a healthy rank; each step is bounded by
+what is left of ``connect_timeout``.
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ class MeshSetup(MeshControl):
         or another rank publishes a failure, whichever comes first.
 
         Steps are never cancelled mid-way: a UCX handshake abandoned with a request
-        pending crashed the UCX reset that follows (SIGSEGV). A step still running when
+        pending crashes the UCX reset that follows (SIGSEGV). A step still running when
         this raises is left to end on its own deadline; :meth:`abort` waits for it.
         ``cancellable`` steps (ours alone, no ucxx-internal request) are cancelled there."""
         tasks = [asyncio.ensure_future(s) for s in steps]
@@ -209,8 +209,8 @@ class MeshSetup(MeshControl):
         deadline = rdzv.deadline
         where = f"rank {r} at {addr.host}:{addr.port}"
         try:
-            # Resolve first: UCX's own failure on a bad name left a half-made endpoint
-            # whose collection at UCX reset crashed the process (SIGSEGV).
+            # Resolve first: UCX's own failure on a bad name leaves a half-made endpoint
+            # whose collection at UCX reset crashes the process (SIGSEGV).
             if not _numeric_ip(addr.host):
                 # On the store thread: the loop's default executor would leave a thread.
                 await asyncio.wait_for(
@@ -276,7 +276,7 @@ class MeshSetup(MeshControl):
             )
             ep.abort(period=ABORT_PERIOD_NS)
         except BaseException:
-            # Cancelled by abort() mid-handshake: an endpoint left open here crashed the
+            # Cancelled by abort() mid-handshake: an endpoint left open here crashes the
             # UCX reset that follows (SIGSEGV in gc at ucxx.reset()).
             with contextlib.suppress(Exception):
                 ep.abort(period=ABORT_PERIOD_NS)

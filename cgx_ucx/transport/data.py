@@ -76,7 +76,7 @@ class MeshData(MeshControl):
                 return task.result()
             except errors as exc:
                 # The operation failed because a peer closed or was aborted; if this
-                # collective was aborted meanwhile, that says why (issue 13).
+                # collective was aborted meanwhile, that says why.
                 raise_done(extra)
                 return self._op_failed(rank, what, exc)
         raise_done(extra)

@@ -7,8 +7,8 @@ buffer of exactly the announced, bounded size). Nothing is unpickled; the header
 :class:`~cgx_ucx.errors.ProtocolError` before any field is trusted.
 
 A small contiguous host payload (at most :data:`MAX_INLINE_NBYTES`) instead travels in
-the header's own message (issue 10: one message and one wake-up per frame instead of
-two), with :data:`FLAG_INLINE` set: ``header (80) | payload (n) | INLINE_END (1 byte)``.
+the header's own message (one message and one wake-up per frame rather than two),
+with :data:`FLAG_INLINE` set: ``header (80) | payload (n) | INLINE_END (1 byte)``.
 Every data-channel header receive is posted with room for that (:data:`RECV_NBYTES`, the
 receiver cannot know beforehand) into a zeroed buffer; :func:`inline_payload` checks the
 keyed header, the bound and the end byte (a message shorter than announced leaves a zero
@@ -16,8 +16,8 @@ there) before a single payload byte is used. Device payloads never go inline.
 
 The check is BLAKE2b-128 over bytes 0..63. Once two ranks completed their handshake
 (:mod:`.handshake`) it is keyed with their pair key, so a header is accepted only from
-the peer that holds that key (issue 13: UCX tags are worker-wide, and a process that
-read the store could post frames claiming to be a member). Before that (the HELLO
+the peer that holds that key (UCX tags are worker-wide, and a process that read the
+store could post frames claiming to be a member). Before that (the HELLO
 exchange) it is unkeyed and only detects corruption. Payloads are not covered: they
 travel on tags derived from a per-pair secret that no store reader knows, and a MAC
 over every payload byte would cost more than the quantized transfer itself.
@@ -25,7 +25,7 @@ over every payload byte would cost more than the quantized transfer itself.
 Layout, little-endian, ``struct`` format ``<4sBBBBQIIHHIBBBBIQQQ16s``::
 
     0   4s  magic         b"CGXF"
-    4   B   version       2 (1 had a 60-byte body and a CRC32; no communicator id)
+    4   B   version       :data:`VERSION` (frames of another version are refused)
     5   B   kind          Kind (HELLO, HELLO_ACK, PROOF, DATA, SIG, ABORT, BYE, STATUS...)
     6   B   collective    Coll (allreduce, broadcast, allgather, barrier, p2p, ...)
     7   B   reduce_op     Op (none, sum, avg; max ... bxor: an allgather's local reduction)
@@ -94,8 +94,8 @@ __all__ = [
 ]
 
 MAGIC = b"CGXF"
-#: 3 (session 15): an all-to-all's SIG frames carry the pair's block sizes (numel, digest),
-#: so a rank of version 2 would misread them: frames of another version are refused.
+#: 3: an all-to-all's SIG frames carry the pair's block sizes (numel, digest), which a
+#: rank of version 2 would misread: frames of another version are refused.
 VERSION = 3
 _BODY = struct.Struct("<4sBBBBQIIHHIBBBBIQQQ")
 #: Bytes of the header check (BLAKE2b digest size).

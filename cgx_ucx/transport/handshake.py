@@ -1,9 +1,9 @@
-"""Membership handshake, pair keys and the secret tag spaces of the data channel (issue 13).
+"""Membership handshake, pair keys and the secret tag spaces of the data channel.
 
 Trust model. The job token (drawn by rank 0, kept in the store) proves membership: whoever
 can read the store is trusted, as with gloo and NCCL. With an out-of-band secret
 (``CommConfig.secret`` / ``CGX_UCX_SECRET``, set by the launcher on every rank) the
-proofs are keyed with it as well, so reading the store is no longer enough to join.
+proofs are keyed with it as well, so reading the store is not enough to join.
 
 Control channel (an error-handling endpoint through the listener; ucxx gives each such
 endpoint random 64-bit tags, so nobody else can post on it), dialer D -> acceptor A:

@@ -5,12 +5,12 @@ remote worker's *address* advertises. A worker address packed with
 ``UCP_WORKER_ADDRESS_FLAG_NET_ONLY`` (``ucp_worker_query``) advertises only the worker's
 network devices (TCP, InfiniBand/RoCE): an endpoint made from it can use nothing else, not
 shared memory, CMA or CUDA IPC, even where they would reach. So one UCX worker serves both
-levels and the choice is made per peer (measured in issue 11's notes, UCX 1.21, link
-emulator with 2 nodes x 2 ranks and ``UCX_TLS`` unset: endpoints from the full address used
-``sysv``/``posix`` between "nodes" as well, so nothing crossed the shaped link; endpoints
-from the network-only address used ``tcp`` on the node's link device between nodes, while
-node-local endpoints from the full address kept ``sysv``/``posix``, and ``cma`` with error
-handling off):
+levels and the choice is made per peer. With UCX 1.21 and ``UCX_TLS`` unset, endpoints
+from the full address use ``sysv``/``posix`` between emulated "nodes" as well, so nothing
+crosses the shaped link; endpoints from the network-only address use ``tcp`` on the node's
+link device, while node-local endpoints from the full address keep ``sysv``/``posix`` (and
+``cma`` with error handling off). ``python -m cgx_ucx.bench nodes`` prints the transports
+per level it got:
 
 - every rank publishes both addresses (:func:`worker_addresses`);
 - towards a peer on its node a rank dials the peer's full address, towards any other peer

@@ -1,12 +1,11 @@
-"""Node-local mailboxes: a small collective's bytes posted in shared memory (issue 10).
+"""Node-local mailboxes: a small collective's bytes posted in shared memory.
 
-Why: a 4 KiB allreduce between two ranks of one host spent its time in wake-ups, not in
+Why: a small allreduce between ranks of one host spends its time in wake-ups, not in
 bytes: the caller's thread hands the call to the engine loop, UCX's progress wakes that
-loop when a peer's message lands, and the loop wakes the caller (about 45 us per cross-vCPU
-wake-up on the measured VM; 465 us per call through torch against gloo's 328). When every
-rank of a group runs on one host, a rank can instead *post* its contribution where its
-peers read it and *watch* their posts: no message, no loop, no wake-up while both are in
-the call (a probe measured 5 us per 4 KiB round between two processes).
+loop when a peer's message lands, and the loop wakes the caller (``python -m cgx_ucx.bench
+latency`` times each hop). When every rank of a group runs on one host, a rank can instead
+*post* its contribution where its peers read it and *watch* their posts: no message, no
+loop, no wake-up while both are in the call.
 
 Each rank owns one segment (a ``memfd``, as :mod:`.shm`), mapped read-write by it and
 read-only by its peers (through ``/proc/<pid>/fd``, identity checked): a rank writes only
@@ -55,10 +54,11 @@ __all__ = [
 #: Payload bytes per slot: the largest contribution (on the wire, after compression) a
 #: mailbox collective posts, and so (:data:`~cgx_ucx.collectives.local.LOCAL_ONESHOT_BYTES`)
 #: the largest buffer whose allreduce takes the one-round path on a one-host group. 4 MiB:
-#: there the one round through shared memory took 0.3x gloo's time on 2 ranks and 0.9-1.0x
-#: on 4 (2 vCPUs), where SRA over messages took 0.8-0.9x and 1.7-2.5x; at 16 MiB the two
-#: were within noise of each other, for four times the resident memory (session 12,
-#: benchmarks/results/issue10_session12/). Pages are only allocated once a post touches them.
+#: there the one round through shared memory takes 0.3x gloo's time on 2 ranks and 0.9-1.0x
+#: on 4 (2 vCPUs), where SRA over messages takes 0.8-0.9x and 1.7-2.5x; with 16 MiB slots
+#: the two are within noise of each other at 16 MiB, for four times the resident memory
+#: (measured by ``python -m cgx_ucx.bench allreduce --sizes 4 16`` with ``--algorithm
+#: auto``, then ``sra``). Pages are only allocated once a post touches them.
 SLOT_BYTES = 4 << 20
 _MAGIC = 0x3158_4F42_5847_4300  # "\0CGXBOX1"
 _HEADER = 4096

@@ -1,15 +1,15 @@
 """The full mesh of one communicator: two channels per peer, failure detection, deadlines.
 
-Why two channels (issue 3, ucxx 0.52 / UCX 1.21):
+Why two channels (ucxx 0.52 / UCX 1.21):
 
 - **data**: endpoints made from exchanged UCX worker addresses. Endpoints made through
   the listener only ever get TCP on one host; worker-address endpoints get shared
   memory. Without endpoint error handling UCX adds CMA zero-copy (``process_vm_readv``)
   for large messages, but then treats a failed transfer as fatal: a peer SIGKILLed while
-  a rendezvous from it was pending aborted the *survivor* (SIGABRT in ``cma_ep.c``). So
+  a rendezvous from it is pending aborts the *survivor* (SIGABRT in ``cma_ep.c``). So
   by default the data endpoints keep error handling on and UCX_MM_ERROR_HANDLING=y (see
   :mod:`.ucx`) lets them use shared memory (copy-in/copy-out with keepalive), which with
-  the progress driver spinning during transfers is as fast as CMA was.
+  the progress driver spinning during transfers is as fast as CMA.
   ``data_error_handling=False`` restores CMA for those who accept the risk; cuda_ipc and
   IB are used either way where present.
 - **control**: one error-handling endpoint per peer pair, made through the listener
@@ -21,7 +21,7 @@ with :class:`~cgx_ucx.errors.PeerLostError` naming it), from errors on the data
 endpoints, and from a deadline on every single wait (UCX never reports a silently cut
 link). A wait past ``CommConfig.timeout`` asks the peer for its status on the control
 channel and raises :class:`~cgx_ucx.errors.CGXTimeoutError` saying whether the peer is
-alive and which collective it is in, or that it is gone (issue 13).
+alive and which collective it is in, or that it is gone.
 
 Trust (:mod:`.handshake`): data messages travel on tags derived from per-pair secrets
 exchanged on the control channel, and every header carries a check keyed with the pair
@@ -55,7 +55,7 @@ MAX_WORLD_SIZE = 1 << 12
 #: they received everything we sent): bounded so one rank that never closes costs little.
 CLOSE_WAIT_S = 10.0
 #: The same after the communicator failed or a collective was aborted: the peers were
-#: told (ABORT) or are gone, and a teardown after a failure must stay short (issue 13).
+#: told (ABORT) or are gone, and a teardown after a failure must stay short.
 FAILED_CLOSE_WAIT_S = 1.0
 #: How long abort() waits for connection handshakes in flight inside ucxx's listener to
 #: end (a dialer that gave up makes them fail at once) before giving up on them.
@@ -132,11 +132,10 @@ class Mesh(MeshSetup, MeshExchange):
         bye = Frame(kind=Kind.BYE, job=self.job, src=self.rank, seq=self.activity.started_seq)
         await asyncio.gather(*(self.send_control(r, bye) for r in live))
         if self._told and not self._troubled:
-            # A peer told of an abort may not have read it yet: a starved process (its
-            # loop blocked, by a forward pass say) that reads it after our endpoints
-            # went loses it with the connection, and blamed this rank ("gone
-            # (connection reset)") instead of the cause (CI, session 16). Its answer to
-            # a STATUS_REQUEST sent now (in order, after the ABORT) says it read it.
+            # Peers must read our ABORTs before our endpoints go (one whose loop is
+            # blocked would lose them with the connection and report this rank gone).
+            # Control frames are read in order, so an answer to a STATUS_REQUEST sent
+            # now proves the ABORTs were read.
             marks = await asyncio.gather(*(self._ask(r) for r in live))
             self._read_marks = {r: 0 for r in self.peers} | dict(zip(live, marks, strict=True))
             self._read_fut = loop.create_future()
@@ -150,7 +149,7 @@ class Mesh(MeshSetup, MeshExchange):
         if self._read_fut is not None:
             # Up to CLOSE_WAIT_S in all for peers that neither said BYE nor answered
             # (lost peers count as done). Not after a failure of the mesh itself (a lost,
-            # silent or forged peer, issue 13): its teardown stays FAILED_CLOSE_WAIT_S.
+            # silent or forged peer): its teardown stays FAILED_CLOSE_WAIT_S.
             left = min(CLOSE_WAIT_S, self.config.timeout) - (loop.time() - start)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._read_fut), max(0.0, left))
@@ -200,7 +199,7 @@ class Mesh(MeshSetup, MeshExchange):
         or forged peer): shut the write side of our TCP connections to the peers that
         hold data nobody acknowledges (:mod:`.stuck`; a cut link leaves the peer behind
         it silent and, on the far side, every peer). UCX destroys a TCP endpoint with a
-        blocking send, which on such a connection waited for the kernel to give the
+        blocking send, which on such a connection waits for the kernel to give the
         connection up (minutes), at interpreter exit. A live peer acknowledges, so its
         connections are left alone. Not with data endpoints without error handling
         (``data_error_handling=False``): there a failed send is fatal to the process."""
@@ -211,7 +210,7 @@ class Mesh(MeshSetup, MeshExchange):
     async def _settle_listener(self, park: bool = False) -> bool:
         """Close the listener once no connection handshake is in flight inside ucxx
         (bounded by LISTENER_SETTLE_S); False when one still is (UCX must not be reset:
-        resetting under a half-made endpoint crashed the process). ``park``: peers may
+        resetting under a half-made endpoint crashes the process). ``park``: peers may
         still dial it, so it stays open for a while (transport.ucx.park_listener)."""
         listener, self._listener = self._listener, None
         if listener is None:

@@ -20,7 +20,7 @@ event was missed.
 
 Requests are posted through UCXX's binding layer (``UCXEndpoint.tag_send`` /
 ``tag_recv``) and tracked here together with the buffers they use (the binding does not
-keep them alive: a freed send buffer crashed a CMA transfer in a probe).
+keep them alive: a freed send buffer crashes a CMA transfer).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ log = logging.getLogger("cgx_ucx.transport")
 SAFETY_PERIOD_S = 0.05
 #: While requests are pending, UCX does not signal every event that matters (a send
 #: queued for lack of resources, a rendezvous step): without polling, a large compressed
-#: allreduce stalled on the 50 ms timer many times. So the driver also polls while requests are
+#: allreduce stalls on the 50 ms timer many times. So the driver also polls while requests are
 #: pending, starting at this period after any completion and doubling up to
 #: SAFETY_PERIOD_S while nothing completes (a wait on a slow peer costs a dozen
 #: wake-ups, then 20 per second).
@@ -67,7 +67,7 @@ MIN_POLL_S = 20e-6
 #: After a request completed, keep progressing on every loop iteration (no sleep) for
 #: this long while others are pending: shared-memory transfers with error handling go
 #: through fragmented copy-in/copy-out, which advances only when both sides progress
-#: and raises no event when FIFO space frees up; sleeping between fragments made large
+#: and raises no event when FIFO space frees up; sleeping between fragments makes large
 #: allreduces several times slower and bimodal. 2 ms covers the gaps between fragments
 #: and between pipelined pieces; past it, the exponential back-off takes over.
 SPIN_S = 0.002
@@ -75,9 +75,10 @@ SPIN_S = 0.002
 #: core, "1" always, "0" never (sleep in epoll between polls). Spinning on an
 #: oversubscribed host takes the time slice from the peer (or the rank's own training
 #: thread) the transfer waits for, and the scheduler then ranks the spinner behind every
-#: other busy process: with 8 CPU hogs beside a 2-rank job on 2 cores, a DDP step took
-#: 98 ms spinning and 80 ms not (gloo: 26-33 ms). MPI libraries do the same (Open MPI's
-#: yield-when-idle when oversubscribed). Parsed by :func:`cgx_ucx.config.spin_mode`.
+#: other busy process: with 8 CPU hogs beside a 2-rank job on 2 cores, a DDP step takes
+#: 98 ms spinning and 80 ms not, gloo 26-33 ms (measured by ``python -m cgx_ucx.bench
+#: contention --hogs 8`` with ``CGX_UCX_SPIN=1``, then ``0``). MPI libraries do the same
+#: (Open MPI's yield-when-idle when oversubscribed). Parsed by :func:`cgx_ucx.config.spin_mode`.
 #:
 #: "auto": the host counts as oversubscribed while more threads are runnable (the 4th
 #: field of /proc/loadavg, an instantaneous count) than this many per core; re-read at
@@ -192,7 +193,7 @@ class Progress:
         if self._due and now < self._active_until and self._may_spin():
             self._poll = MIN_POLL_S
             if not completed:
-                # Spinning ranks may outnumber cores (4 ranks on 2 here): give the CPU
+                # Spinning ranks may outnumber cores (4 ranks on 2, say): give the CPU
                 # to the peer this transfer is waiting for.
                 os.sched_yield()
             self.kick()

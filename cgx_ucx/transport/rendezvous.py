@@ -15,8 +15,8 @@ Every communicator also gets an id that is unique in the job: rank 0 draws it fr
 counter in the innermost store (under every torch PrefixStore, so process groups that
 each got their own prefix still share it) and publishes it with the token. Each rank
 publishes its world size with its address, so ranks started with different world sizes
-are told so at once, with both sizes (issue 13), instead of waiting for a rank that
-never comes.
+are told so at once, with both sizes, rather than waiting for a rank that never
+comes.
 """
 
 from __future__ import annotations
@@ -113,8 +113,8 @@ def default_host(store: Any) -> str:
     """The address peers should dial: the local interface that routes to the store's host
     (found through PrefixStores), else to MASTER_ADDR, else the hostname's address.
 
-    Falling back to loopback or the hostname when the store is wrapped left ranks in other
-    network namespaces or on other hosts unable to dial (issue 3 follow-up).
+    Loopback or the hostname would leave ranks in other network namespaces or on other
+    hosts unable to dial, so the store is unwrapped first.
     """
     for target in (store_host(store), os.environ.get("MASTER_ADDR")):
         if target:
@@ -155,8 +155,8 @@ def env_store(timeout: float) -> tuple[Any, int, int]:
     except ImportError as exc:
         raise ConfigError("env:// rendezvous needs torch; pass store= otherwise") from exc
     # Under torchrun's agent the store is already served: join it as a client, under
-    # this restart's prefix, as torch's own env:// does (every rank tried to serve it,
-    # and every rank but one logged a failed bind; review, session 10).
+    # this restart's prefix, as torch's own env:// does (a rank that served it as well
+    # would fail to bind).
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     store = TCPStore(
         os.environ["MASTER_ADDR"],
@@ -321,8 +321,7 @@ class Rendezvous:
     async def _wait_get(self, key: str, what: str = "") -> bytes:
         """Wait for ``key`` (bounded by the connect deadline), failing early when another
         rank has published a connect failure: a rank that cannot connect must not leave
-        the others waiting out a long connect timeout (900 s under a torch process group
-        was reported)."""
+        the others waiting out a long connect timeout."""
         fail_key = self._key(FAILED_KEY)
         has_check = callable(getattr(self.store, "check", None))
 

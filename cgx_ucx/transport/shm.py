@@ -2,10 +2,10 @@
 
 Why: with UCX's peer error handling on (our failure detection needs it), ranks of one
 node move host memory through UCX's ``posix``/``sysv`` FIFOs fragment by fragment, both
-sides progressing each one, inside a job whose ranks also run the codec. Measured with
-``python -m cgx_ucx.bench nodes`` (2 x 2 ranks, 1 Gbit/s, 64 MiB, 4 bits): the two-level
-allreduce took 308 ms that way and 209 ms with the segments below
-(benchmarks/results/issue11_session4/).
+sides progressing each one, inside a job whose ranks also run the codec: the two-level
+allreduce takes 308 ms that way and 209 ms with the segments below (2 x 2 ranks,
+1 Gbit/s, 64 MiB, 4 bits; measured by ``python -m cgx_ucx.bench nodes`` with
+``CGX_UCX_INTRA_SHM=0``, then without).
 
 Here a rank writes what a node peer needs into a *segment* of its own (a ``memfd``,
 anonymous: nothing in ``/dev/shm`` to leak when a rank dies), and sends the peer a

@@ -68,10 +68,10 @@ class MeshState:
         self.stats = TransportStats()
         self.activity = Activity()
         self._on_abort: Any = None  # callable(frame, reason) set by the communicator
-        #: ABORTs that came before the communicator took the mesh: connect still waits
-        #: for the other ranks' codecs after the mesh is up, and a rank that got through
-        #: first may already have failed its first collective (issue 13: dropping them
-        #: made the peers report "rank 0 closed its communicator" instead of the cause).
+        #: ABORTs that arrive before on_abort is set are kept and delivered when it is
+        #: set, so a peer's abort reason is never lost (connect still waits for the other
+        #: ranks' codecs after the mesh is up, and a rank that got through first may
+        #: already have failed its first collective).
         self._early_aborts: list[tuple[Frame, str]] = []
         self._ucxx: Any = None
         self._listener: Any = None

@@ -3,8 +3,8 @@
 When a wait on a peer times out, the mesh asks that peer on the control channel
 (STATUS_REQUEST) and the peer answers with a STATUS frame built from its
 :class:`Activity`, so the timeout error can say "rank 1 is alive and still in collective
-#3 (allreduce, numel 4096)" instead of "rank 1 is gone" (issue 13; torch's flight
-recorder is the model). The communicator reports starts and ends through
+#3 (allreduce, numel 4096)" rather than "rank 1 is gone" (torch's flight recorder is
+the model). The communicator reports starts and ends through
 :meth:`~cgx_ucx.transport.mesh.Mesh.collective_started` / ``collective_finished``; without
 them the mesh still knows the latest collective this rank sent a frame for.
 """

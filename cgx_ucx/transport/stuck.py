@@ -6,9 +6,9 @@ retries while the kernel answers EAGAIN). On a connection that cannot drain (a c
 a host gone silent) the send queue is full of data nobody acknowledges, so that send
 retries until the kernel gives the connection up: minutes of TCP retransmissions
 (``net.ipv4.tcp_retries2``). It runs in whatever progresses the worker next, typically
-ucxx's endpoint finalizers and the listener's destructor at interpreter exit: after a
-link cut every rank raised its typed error within seconds, closed, and then about half
-of the processes did not exit (session 17: ``py-spy``/``gdb`` of the hung ranks).
+ucxx's endpoint finalizers and the listener's destructor at interpreter exit, so after a
+link cut a rank that raised its typed error within seconds and closed would still take
+minutes to exit.
 
 :func:`release_stuck` shuts the write side of exactly those sockets: TCP connections of
 this process to a given peer address with data queued that the kernel already tried to

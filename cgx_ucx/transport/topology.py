@@ -32,7 +32,7 @@ shard, and get the result in the intra-node allgather. A node of a single rank (
 would cap ``shards`` at 1, i.e. one rank per node doing all the cross-node codec work: the
 default then falls back to the flat allreduce, which spreads that work over all ranks; the
 leader scheme can still be asked for explicitly (``CGX_INTRA_BROADCAST=1``). One node, or
-nodes of one rank each, is the flat case (what cgx_ucx always did).
+nodes of one rank each, is the flat case.
 
 :class:`HierarchyConfig` holds torch_cgx's knobs for the two levels, with their torch_cgx
 meaning where it applies (see its docstring); explicit arguments win over the variables.
@@ -427,7 +427,7 @@ class HierarchyConfig:
       ``=0`` ``"sharded"`` (torch_cgx's 0 has every local rank cross nodes with the whole
       buffer; the sharded scheme does that with 1/L of it each). torch_cgx's default is 1;
       ours is ``"auto"``, because the leader scheme leaves all but one NIC and codec per
-      node idle (issue 11).
+      node idle.
     - ``intra_transport``: ``CGX_INNER_COMMUNICATOR_TYPE``: ``SHM`` / ``NCCL`` / ``P2P`` ->
       ``"local"`` (UCX's node-local transports: shared memory, CMA, CUDA IPC), ``MPI`` ->
       ``"network"`` (the generic network path inside the node too).
@@ -441,7 +441,7 @@ class HierarchyConfig:
     - ``intra_shm``: ``CGX_UCX_INTRA_SHM``: uncompressed node-local host bytes go through
       shared segments the node peers map and read in place (:mod:`.shm`; on by default,
       where ``intra_transport`` is ``"local"``); off: through UCX's shared-memory
-      transport (2 x 2 ranks, 64 MiB at 4 bits: 308 ms against 209 with segments).
+      transport (slower: :mod:`.shm` gives the figures and the benchmark).
     """
 
     scheme: str = "auto"

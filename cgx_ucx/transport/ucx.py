@@ -6,17 +6,18 @@ shuts it down when the last communicator closes, so a later communicator starts 
 clean worker (and nothing of ours keeps running in between).
 
 Defaults, each applied only where the user has not set the variable (ucxx 0.52 / UCX
-1.21; the measurements are in the README and benchmarks/results/):
+1.21):
 
 - ``UCX_TCP_TX_SEG_SIZE=256K``, ``UCX_TCP_RX_SEG_SIZE=1M``: several times UCX's default TCP
-  throughput for large messages. Only TCP links use them (loopback under
-  ``UCX_TLS=tcp``, and between hosts).
+  throughput for large messages (the point-to-point rows of ``UCX_TLS=tcp python -m
+  cgx_ucx.bench allreduce``). Only TCP links use them (loopback under ``UCX_TLS=tcp``,
+  and between hosts).
 - ``UCX_MM_ERROR_HANDLING=y``: shared-memory transports (sysv, posix) advertise error
   handling (peer liveness by keepalive), so the data endpoints, which keep error
   handling on, still get shared memory on one host instead of TCP loopback (see
   :mod:`.mesh` for why error handling stays on).
 - ``UCX_RNDV_THRESH=inf`` when ``UCX_TLS`` names TCP only (see
-  :data:`TCP_ONLY_DEFAULTS`): two-way transfers ran at half the link rate otherwise.
+  :data:`TCP_ONLY_DEFAULTS`): two-way transfers run at half the link rate otherwise.
 - ``UCX_RNDV_THRESH`` when the launcher places the job on several nodes (see
   :func:`multi_node_defaults`): ``inf`` on hosts without an NVIDIA GPU, ``2mb`` with one,
   so that compressed pieces cross the network without a rendezvous hand-shake while
@@ -69,9 +70,9 @@ UCX_DEFAULTS: dict[str, str] = {
 
 #: Set too when UCX_TLS names only TCP (the link emulator, TCP-only clusters): UCX's
 #: rendezvous protocol sends its handshake (RTS/ATS) on the same TCP stream as the bulk
-#: data, so with traffic both ways each handshake queued behind a whole piece going
-#: the other way, which halved two-way throughput (eager-only sends restore it; the
-#: link benchmark shows it). Not applied where shared memory,
+#: data, so with traffic both ways each handshake queues behind a whole piece going
+#: the other way, which halves two-way throughput (eager-only sends restore it, as
+#: ``python -m cgx_ucx.bench link`` measures). Not applied where shared memory,
 #: CMA, cuda_ipc or RDMA may be used: those need rendezvous for zero-copy.
 TCP_ONLY_DEFAULTS: dict[str, str] = {"UCX_RNDV_THRESH": "inf"}
 #: UCX_TLS entries that are TCP (or need no data path of their own).
@@ -107,8 +108,8 @@ def multi_node_defaults(env: Mapping[str, str] | None = None) -> dict[str, str]:
     Why: between nodes UCX runs over TCP unless the hosts have RDMA, and its rendezvous
     protocol sends the hand-shake of every large message on the TCP stream that carries
     the bulk data, behind whatever is queued there; on emulated nodes both the two-level
-    and the flat allreduce ran markedly faster with eager sends (figures in
-    benchmarks/results/issue11_session6_h200/). Hosts with an NVIDIA GPU get a finite
+    and the flat allreduce run markedly faster with eager sends (measured by
+    ``python -m cgx_ucx.bench nodes``). Hosts with an NVIDIA GPU get a finite
     threshold instead (see :data:`GPU_MULTI_NODE_RNDV_THRESH`)."""
     env = os.environ if env is None else env
     try:
@@ -310,7 +311,7 @@ def release(reset: bool = True) -> None:
 
     ``reset=False`` keeps the context running (a later :func:`acquire` reuses it): for
     a user that could not wait for a connection handshake still in flight inside ucxx,
-    since resetting UCX under a half-made endpoint crashed the process (SIGSEGV)."""
+    since resetting UCX under a half-made endpoint crashes the process (SIGSEGV)."""
     global _users, _owned
     with _lock:
         if _users <= 0:
@@ -328,9 +329,9 @@ def release(reset: bool = True) -> None:
         holders = _context_holders(ucxx)
         if holders:
             # ucxx.reset() would drop its handle and leave this context to be destroyed
-            # whenever the holder goes, under the next context's workers: that crashed
-            # a rank (SIGSEGV) after a failed connect on a loaded machine. Keep it; the
-            # next acquire() reuses it, as after reset=False.
+            # whenever the holder goes, under the next context's workers, which crashes
+            # the process (SIGSEGV). Keep it; the next acquire() reuses it, as after
+            # reset=False.
             log.info("UCX context kept: still referenced by %s", "; ".join(holders))
             return
         _progress.uninstall_all()
