@@ -380,3 +380,88 @@ def test_a_synchronize_repeated_after_an_error_still_averages(find_unused: bool)
     sync.synchronize()
     assert torch.equal(model.weight.grad, local / 2)
     assert sync.find_unused_parameters is find_unused
+
+
+class _FlakyPeer:
+    """World 2, in process: the peer adds zeros (each average is half this rank's value);
+    the calls numbered in ``fail`` fail, in their future or, with ``raise_now``, at once."""
+
+    world_size = 2
+    closed = False
+
+    def __init__(self, fail: tuple[int, ...] = (), raise_now: bool = False) -> None:
+        self.calls = 0
+        self.fail = fail
+        self.raise_now = raise_now
+
+    def allreduce(self, x: Any, op: str = "sum", **kwargs: Any) -> Any:
+        import concurrent.futures
+
+        from cgx_ucx.errors import CollectiveMismatchError
+
+        number, self.calls = self.calls, self.calls + 1
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        if number in self.fail:
+            error = CollectiveMismatchError(f"rank 1 called another collective at #{number}")
+            if self.raise_now:
+                raise error
+            done.set_exception(error)
+            return done
+        done.set_result(x)
+        return done
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("raise_now", [False, True])
+def test_a_synchronize_repeated_after_an_error_adds_each_residual_once(raise_now: bool) -> None:
+    """With error feedback, a synchronize() that failed (a bucket's collective failed, or
+    refused to start) and is repeated leaves the gradients and residuals bit-identical
+    to a run where it never failed: the residuals the failed attempt consumed are put
+    back, not applied a second time."""
+    import torch
+
+    from cgx_ucx.errors import CollectiveMismatchError
+    from cgx_ucx.torch import GradientSync
+
+    def run(fail: tuple[int, ...]) -> tuple[list[Any], dict[str, Any], int]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(40, 48), torch.nn.Linear(48, 40))
+        peer = _FlakyPeer(fail, raise_now)
+        sync = GradientSync(
+            model,
+            communicator=peer,
+            compression_params={"bits": 3, "bucket_size": 64},
+            layer_min_size=16,
+            bucket_cap_mb=0.005,  # one bucket per parameter, started as backward goes
+            error_feedback=True,
+            timeout=5,
+        )
+        assert len(sync.buckets) == 4
+        failures = 0
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(3):
+            model.zero_grad()
+            x = torch.randn(8, 40, generator=gen)
+            if raise_now:  # every bucket starts in synchronize()
+                with sync.no_sync():
+                    model(x).square().sum().backward()
+            else:
+                model(x).square().sum().backward()
+            try:
+                sync.synchronize()
+            except CollectiveMismatchError:
+                failures += 1
+                sync.synchronize()
+        grads = [p.grad.clone() for p in model.parameters()]
+        return grads, sync.state_dict()["residuals"], failures
+
+    grads, residuals, failures = run(())
+    assert failures == 0 and len(residuals) >= 2
+    buckets = 4  # one per parameter: calls 4..7 are the second step's
+    failed_grads, failed_residuals, failures = run((buckets + 1,))
+    assert failures == 1
+    for got, want in zip(failed_grads, grads, strict=True):
+        assert torch.equal(got, want)
+    assert failed_residuals.keys() == residuals.keys()
+    for key, want in residuals.items():
+        assert torch.equal(failed_residuals[key], want), key

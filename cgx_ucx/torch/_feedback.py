@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..arrays import to_host
+from ..arrays import to_host, xp_of
 from ..errors import ConfigError
 from ..layout import Layout
 from ._convert import as_array
@@ -30,13 +30,22 @@ __all__ = ["LayerFeedback", "split_state"]
 
 
 class LayerFeedback:
-    """Residual memory for the compressed layers of flat buffers, keyed by bucket."""
+    """Residual memory for the compressed layers of flat buffers, keyed by bucket.
 
-    def __init__(self) -> None:
+    ``undoable``: what :meth:`apply` changes can be undone until :meth:`commit`
+    (:meth:`rollback`), for a caller that may discard a step and send it again.
+    """
+
+    def __init__(self, *, undoable: bool = False) -> None:
         from ..compression import ErrorFeedback
 
         self._ef = ErrorFeedback()
         self._buckets: set[int] = set()  # bucket indices that hold a residual
+        #: With ``undoable``: each key's residual as it was before the first apply since
+        #: the last commit (None: it had none), and the buffers update() may write into
+        #: instead, so a discarded step costs no copy and the hot path no allocation.
+        self._before: dict[tuple[int, int], Any] | None = {} if undoable else None
+        self._spare: dict[tuple[int, int], Any] = {}
 
     def holds(self, index: int) -> bool:
         """True when bucket ``index`` has a residual (to add even if nothing is compressed)."""
@@ -58,6 +67,8 @@ class LayerFeedback:
             if spec.numel == 0:
                 continue
             key = (index, i)
+            if self._before is not None and key not in self._before:
+                self._before[key] = ef.residual(key)
             old = ef.residual(key)
             if old is not None and old.shape[0] != spec.numel:
                 ef.reset(key)  # the buckets were rebuilt: that residual was another layer's
@@ -81,7 +92,45 @@ class LayerFeedback:
                 comp = ef.compensate(key, x)
                 layer.copy_(torch.as_tensor(comp, device=layer.device))
                 sent = as_array(layer.float())
+            self._keep_before(key)
             ef.update(key, comp, decode(encode(sent, spec.bits, spec.bucket_size)))
+
+    def _keep_before(self, key: tuple[int, int]) -> None:
+        """Before update(): when the residual is the one to put back on rollback, make a
+        spare buffer the residual, so that update() writes there and leaves it intact."""
+        if self._before is None:
+            return
+        current = self._ef.residual(key)
+        if current is None or current is not self._before[key]:
+            return
+        spare = self._spare.pop(key, None)
+        if spare is None or spare.shape != current.shape or xp_of(spare) is not xp_of(current):
+            spare = xp_of(current).empty_like(current)
+        self._ef.restore(key, spare)
+
+    def commit(self) -> None:
+        """The steps applied since the last commit were sent: keep their residuals (the
+        ones they replaced become spare buffers)."""
+        if self._before is None:
+            return
+        for key, before in self._before.items():
+            if before is not None and before is not self._ef.residual(key):
+                self._spare[key] = before
+        self._before.clear()
+
+    def rollback(self, index: int | None = None) -> None:
+        """The steps applied since the last commit were not delivered (of bucket
+        ``index`` only, or of all): put back the residuals they had before, so a retry
+        adds each one once."""
+        if self._before is None:
+            return
+        for key in [k for k in self._before if index is None or k[0] == index]:
+            before = self._before.pop(key)
+            current = self._ef.residual(key)
+            self._ef.restore(key, before)
+            if current is not None and current is not before:
+                self._spare[key] = current
+        self._buckets = {b for b, _ in self._ef.keys()}  # noqa: SIM118 (not iterable)
 
     def hold(self, index: int, layers: Iterable[int]) -> dict[int, Any]:
         """Copies of the residuals of ``layers`` of bucket ``index`` as they are now (None
@@ -117,6 +166,9 @@ class LayerFeedback:
             raise ConfigError(f"not an error-feedback state: {exc}") from exc
         self._ef.load_state_dict(loaded)
         self._buckets = {b for b, _ in loaded}
+        if self._before is not None:
+            self._before.clear()
+        self._spare.clear()
 
 
 def split_state(

@@ -182,7 +182,7 @@ class GradientSync:
             log_every=log_every,
         )
         self._config = config
-        self._feedback = LayerFeedback() if self.error_feedback else None
+        self._feedback = LayerFeedback(undoable=True) if self.error_feedback else None
         self._lock = threading.Lock()
         self._enabled = True
         self._next = 0  # index of the next bucket to start
@@ -321,13 +321,21 @@ class GradientSync:
                 idle = [s for s in range(len(bucket.params)) if s not in bucket.used]
                 bucket.held = self._feedback.hold(bucket.index, idle)
             self._feedback.apply(bucket.index, buf, bucket.layout)
-        bucket.future = self.communicator.allreduce(
-            as_array(buf),
-            op="sum",
-            layout=bucket.layout,
-            stochastic=config.stochastic,
-            seed=bucket_seed(config, self.steps, bucket.index),
-        )
+        try:
+            bucket.future = self.communicator.allreduce(
+                as_array(buf),
+                op="sum",
+                layout=bucket.layout,
+                stochastic=config.stochastic,
+                seed=bucket_seed(config, self.steps, bucket.index),
+            )
+        except BaseException:
+            # Not sent: a retry refills the bucket from ``param.grad`` and adds the
+            # residuals it had before this attempt.
+            bucket.ready.clear()
+            if self._feedback is not None:
+                self._feedback.rollback(bucket.index)
+            raise
         self._step_bytes += wire_bytes(bucket.layout, buf.element_size(), self.world_size)
 
     @contextlib.contextmanager
@@ -424,6 +432,8 @@ class GradientSync:
             b.held = {}
             b.future = None
             base += len(b.params)
+        if self._feedback is not None:
+            self._feedback.commit()
         self._next = 0
         self.steps += 1
         self.bytes_sent += self._step_bytes
@@ -459,7 +469,10 @@ class GradientSync:
     def _reset_after_error(self) -> None:
         # ``used`` stays: a synchronize() repeated after the error averages what the
         # parameters used since the last good one hold (cleared, every flag would read
-        # "no rank used it" and no average would be written).
+        # "no rank used it" and no average would be written). The residuals go back to
+        # what they were before this step: the retry adds each one once.
+        if self._feedback is not None:
+            self._feedback.rollback()
         for b in self._buckets:
             b.ready.clear()
             b.future = None
