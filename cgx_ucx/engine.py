@@ -204,6 +204,7 @@ class SyncCommunicator:
         self._comm = comm
         self._closed = False
         self._submitted = 0
+        self._here = threading.local()  # ``count``: calls this thread submitted
         #: Calls submitted to the engine and not done yet; a mailbox collective runs on
         #: the caller's thread only while there are none (DESIGN.md, "Threads and loops").
         self._in_flight = 0
@@ -236,8 +237,19 @@ class SyncCommunicator:
 
     @property
     def submitted(self) -> int:
-        """Calls submitted so far (a caller can tell whether a call of its went out)."""
+        """Calls submitted so far, by every thread."""
         return self._submitted
+
+    @property
+    def submitted_here(self) -> int:
+        """Calls this thread submitted so far: a caller can tell whether a call of its
+        went out, whatever other threads submit meanwhile."""
+        return getattr(self._here, "count", 0)
+
+    def _count(self) -> None:
+        """One more call submitted, by this thread (caller holds the lock)."""
+        self._submitted += 1
+        self._here.count = getattr(self._here, "count", 0) + 1
 
     def _submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:
         if self._closed:
@@ -245,7 +257,7 @@ class SyncCommunicator:
             raise TransportError("the communicator is closed")
         with self._lock:
             fut = self._engine.submit(coro)
-            self._submitted += 1
+            self._count()
             self._in_flight += 1
         fut.add_done_callback(self._landed)
         return fut
@@ -269,13 +281,13 @@ class SyncCommunicator:
             try:
                 ran, value, rest = self._comm.run_local(name, prepare, local, result)
             except BaseException as exc:
-                self._submitted += 1
+                self._count()
                 failed: concurrent.futures.Future = concurrent.futures.Future()
                 failed.set_exception(exc)
                 return None, failed
             if not ran:
                 return None
-            self._submitted += 1
+            self._count()
             if rest is None:
                 return value, None
             fut = self._engine.submit(rest)  # a peer is late: the engine loop waits for it

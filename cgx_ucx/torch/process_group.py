@@ -83,15 +83,17 @@ def _tells_peers(fn: Callable[..., CGXWork]) -> Callable[..., CGXWork]:
     call on the engine, so the peers raise CollectiveMismatchError at once instead of
     pairing this rank's next call with it or waiting until the timeout. Each such method
     starts exactly one engine collective, so the refusal takes the number the call would
-    have taken; an error after the submission is not refused again."""
+    have taken; an error after the submission is not refused again. Only this thread's
+    submissions count: another thread's collective on the group in the meantime does
+    not hide the error."""
 
     @functools.wraps(fn)
     def checked(self: ProcessGroupCGX, *args: Any, **kwargs: Any) -> CGXWork:
-        before = self._comm.submitted
+        before = self._comm.submitted_here
         try:
             return fn(self, *args, **kwargs)
         except Exception as exc:
-            if not self._closed and self._size > 1 and self._comm.submitted == before:
+            if not self._closed and self._size > 1 and self._comm.submitted_here == before:
                 # A closed or failed communicator: the peers know already.
                 with contextlib.suppress(CGXError):
                     self._comm.refuse(fn.__name__, exc)
