@@ -1,8 +1,9 @@
 """cgx_ucx: compressed (about 4-bit) gradient all-reduce for data-parallel training on UCX.
 
-The public face only: re-exports. See README.md for the API. When PyTorch is installed,
-importing cgx_ucx registers the ``cgx`` torch.distributed backend (the one side effect),
-so an existing script changes one line: ``dist.init_process_group("cgx")``.
+The public face only: re-exports (reference: docs/reference/; examples: README.md). When
+PyTorch is installed, importing cgx_ucx registers the ``cgx`` torch.distributed backend
+(the one side effect), so an existing script changes one line:
+``dist.init_process_group("cgx")``.
 """
 
 import importlib.util as _importlib_util

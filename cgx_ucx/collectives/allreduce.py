@@ -53,7 +53,7 @@ SRA_MAX_WORLD = 8
 
 #: Under algorithm="auto", buffers of at most this many bytes (the caller's, before
 #: compression) take the one-round path, per world size: the crossover with SRA
-#: measured by ``python -m cgx_ucx.bench latency`` (README, "Latency"). One round costs
+#: measured by ``python -m cgx_ucx.bench latency``. One round costs
 #: (N-1) whole buffers per rank against SRA's 2(N-1)/N, so the crossover falls with N.
 ONESHOT_MAX_BYTES: dict[int, int] = {2: 256 << 10, 3: 128 << 10, 4: 64 << 10}
 
