@@ -47,7 +47,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from ..config import ENV_NODE_ID
+from ..config import ENV_NODE_ID, read_env
 from ..errors import ConfigError
 
 __all__ = [
@@ -130,7 +130,7 @@ def host_identity() -> str:
 
 
 def _env_int(env: Mapping[str, str], name: str) -> int | None:
-    raw = env.get(name)
+    raw = env.get(name)  # the launcher's variables (torchrun's), not cgx_ucx's
     if raw is None or raw.strip() == "":
         return None
     try:
@@ -169,7 +169,7 @@ class NodeHints:
         """This rank's hints: ``node_id`` (explicit config) > ``CGX_UCX_NODE_ID``; the
         launcher's variables; the host identity."""
         env = os.environ if env is None else env
-        override = node_id if node_id is not None else (env.get(ENV_NODE_ID) or None)
+        override = node_id if node_id is not None else (read_env(ENV_NODE_ID, env) or None)
         if override is not None:
             _check_label(override, f"the node id ({ENV_NODE_ID} / CommConfig.node_id)")
         return cls(
@@ -491,7 +491,7 @@ _REDUCTION_NAMES = {"SRA": "sra", "RING": "ring"}
 
 
 def _env_choice(env: Mapping[str, str], name: str, table: Mapping[str, str]) -> str | None:
-    raw = env.get(name)
+    raw = read_env(name, env)
     if raw is None or raw.strip() == "":
         return None
     value = table.get(raw.strip().upper())
@@ -502,7 +502,7 @@ def _env_choice(env: Mapping[str, str], name: str, table: Mapping[str, str]) -> 
 
 def _env_flag(env: Mapping[str, str], name: str) -> bool | None:
     """torch_cgx reads these as integers: any value > 0 is on."""
-    raw = env.get(name)
+    raw = read_env(name, env)
     if raw is None or raw.strip() == "":
         return None
     try:
