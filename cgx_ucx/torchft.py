@@ -1,0 +1,301 @@
+"""A torchft process group on cgx_ucx: fault-tolerant training with compressed all-reduce.
+
+torchft's :class:`~torchft.manager.Manager` drives :class:`ProcessGroupCGX` as it drives
+its own ``ProcessGroupGloo``: at every quorum change it calls
+``configure(store_addr, replica_id, rank, world_size, ...)``, which drops the group of
+the previous quorum and connects a fresh ``cgx`` group
+(:class:`cgx_ucx.torch.ProcessGroupCGX`) under the quorum's store prefix, in the same
+process. Everything torchft runs on a process group works on this one: its
+``DistributedDataParallel`` and ``OptimizerWrapper``, ``Manager.allreduce``, DiLoCo and
+Streaming DiLoCo (:mod:`torchft.local_sgd`) and the checkpoint transports (they use
+broadcast, send and recv, which stay exact)::
+
+    from cgx_ucx.torchft import ProcessGroupCGX
+    from torchft import Manager
+
+    pg = ProcessGroupCGX(bits=4)                   # or CGX_COMPRESSION_* variables
+    manager = Manager(pg=pg, min_replica_size=1, ...)
+
+Semantics:
+
+1. all_reduce SUM/AVG of float tensors is quantized as in the ``cgx`` backend: the
+   ``compression`` (or ``bits``) given here, else the CGX_COMPRESSION_* environment
+   variables read at each call. :meth:`ProcessGroupCGX.compressed` overrides it for the
+   calls made inside a ``with`` block on the calling thread (say, 2-bit DiLoCo
+   pseudo-gradients while the rest stays exact). The reduced values are identical on
+   every replica, so replicas that start equal stay bit-identical.
+2. :meth:`ProcessGroupCGX.abort` fails every operation in flight at once with a
+   :class:`~cgx_ucx.errors.TransportError` and releases the endpoints without waiting
+   on any peer; a call made after it raises :class:`ProcessGroupAbortedError`, which
+   torchft's Manager records as the step's error. :meth:`errored` returns the abort's
+   error until the next ``configure``.
+3. Reconfiguration tears the previous group down as :meth:`abort` does (without its
+   error): torchft configures only between steps, and peers that still hold the old
+   group see this rank leave it, which is what a new quorum means.
+4. HSDP (a DeviceMesh over torchft's ManagedProcessGroup) needs a group registered
+   with torch's functional collectives, which a Python process group cannot serve:
+   :meth:`register` raises :class:`~cgx_ucx.errors.ConfigError` saying so.
+
+Requires the ``ft`` extra (torchft).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torchft.ddp import DistributedDataParallel as _FtDDP
+from torchft.process_group import ProcessGroupWrapper
+
+from .config import CommConfig, CompressionConfig, resolve_comm
+from .errors import CGXError, ConfigError, TransportError
+from .torch import CGXOptions
+from .torch import ProcessGroupCGX as _CGXGroup
+
+__all__ = [
+    "ABORT_TIMEOUT_S",
+    "BACKEND_NAME",
+    "DistributedDataParallel",
+    "ProcessGroupAbortedError",
+    "ProcessGroupCGX",
+]
+
+log = logging.getLogger("cgx_ucx")
+
+#: The name torchft and torch.distributed see (``getBackendName()``).
+BACKEND_NAME = "torchft-cgx"
+
+#: Seconds :meth:`ProcessGroupCGX.abort` waits for the engine to release the old group.
+#: Releasing is local work (no peer is waited on); the bound only guards against an
+#: engine loop held up by other work.
+ABORT_TIMEOUT_S = 5.0
+
+
+class ProcessGroupAbortedError(TransportError):
+    """The torchft process group was aborted or is not configured: torchft's Manager
+    reports it as the step's error and configures a new group at the next quorum."""
+
+
+class ProcessGroupCGX(ProcessGroupWrapper):
+    """A reconfigurable ``cgx`` process group for torchft (see the module docstring).
+
+    ``timeout`` bounds every wait of a collective and the connect of each configure.
+    ``compression`` (a :class:`~cgx_ucx.config.CompressionConfig`) or its shorthand
+    ``bits`` sets the all_reduce compression; neither: the CGX_COMPRESSION_* variables.
+    ``comm`` is the base of the communicator's configuration (its timeouts are replaced
+    by ``timeout``).
+    """
+
+    def __init__(
+        self,
+        timeout: datetime.timedelta = datetime.timedelta(seconds=60),
+        *,
+        compression: CompressionConfig | None = None,
+        bits: int | None = None,
+        comm: CommConfig | None = None,
+    ) -> None:
+        super().__init__(timeout=timeout)
+        if compression is not None and bits is not None:
+            raise ConfigError("give compression or bits, not both")
+        if compression is not None and not isinstance(compression, CompressionConfig):
+            raise ConfigError(f"compression must be a CompressionConfig, got {compression!r}")
+        self._compression = CompressionConfig(bits=bits) if bits is not None else compression
+        self._comm_base = comm
+        self._errored: Exception | None = None
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._configures = 0
+
+    # -- identity -----------------------------------------------------------------------------
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupCGX(pg={self._pg!r}, compression={self.compression})"
+
+    @property
+    def configures(self) -> int:
+        """How many times :meth:`configure` connected a group."""
+        return self._configures
+
+    @property
+    def group(self) -> _CGXGroup | None:
+        """The ``cgx`` group of the current quorum (None before configure, after abort)."""
+        pg = self._pg
+        return pg if isinstance(pg, _CGXGroup) else None
+
+    @property
+    def parent(self) -> Any:
+        pg = self._pg
+        if pg is None:
+            raise self._errored_copy()
+        return pg
+
+    # -- compression --------------------------------------------------------------------------
+    @property
+    def compression(self) -> CompressionConfig | None:
+        """The compression set in code (None: the CGX_COMPRESSION_* variables)."""
+        return self._compression
+
+    @compression.setter
+    def compression(self, config: CompressionConfig | None) -> None:
+        if config is not None and not isinstance(config, CompressionConfig):
+            raise ConfigError(f"expected a CompressionConfig or None, got {config!r}")
+        self._compression = config
+        group = self.group
+        if group is not None:
+            group.compression = config
+
+    @contextlib.contextmanager
+    def compressed(
+        self, config: CompressionConfig | None = None, *, bits: int | None = None
+    ) -> Iterator[None]:
+        """Use ``config`` (or ``CompressionConfig(bits=bits)``) for the all_reduce calls
+        this thread makes inside the block, whatever the group's compression is::
+
+            with pg.compressed(bits=2):
+                manager.allreduce(pseudo_grad)
+        """
+        if (config is None) == (bits is None):
+            raise ConfigError("compressed() takes a CompressionConfig or bits=, one of them")
+        if config is None:
+            config = CompressionConfig(bits=bits)  # type: ignore[arg-type]
+        if not isinstance(config, CompressionConfig):
+            raise ConfigError(f"expected a CompressionConfig, got {config!r}")
+        outer = getattr(self._local, "override", None)
+        self._local.override = config
+        try:
+            yield
+        finally:
+            self._local.override = outer
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        override = getattr(self._local, "override", None)
+        if override is None:
+            return super().allreduce(tensors, opts)
+        group = self.parent
+        # The group reads its compression when the call is submitted, synchronously.
+        with self._lock:
+            before = group.compression if self._compression is not None else None
+            group.compression = override
+            try:
+                return super().allreduce(tensors, opts)
+            finally:
+                group.compression = before
+
+    # -- torchft's life cycle -----------------------------------------------------------------
+    def _comm_config(self) -> CommConfig:
+        secs = self._timeout.total_seconds()
+        if not secs > 0:
+            raise ConfigError(f"the process group timeout must be > 0, got {self._timeout}")
+        return resolve_comm(self._comm_base, timeout=secs, connect_timeout=secs)
+
+    def _create_pg(self, store: Any, rank: int, world_size: int) -> _CGXGroup:
+        options = CGXOptions(compression=self._compression, comm=self._comm_config())
+        group = _CGXGroup(store, rank, world_size, self._timeout, options)
+        self._errored = None
+        self._configures += 1
+        log.info(
+            "torchft-cgx group %d: rank %d/%d of replica %s, quorum %s",
+            self._configures,
+            rank,
+            world_size,
+            self._replica_id,
+            self._quorum_id,
+        )
+        return group
+
+    def abort(self, errored: bool = True) -> None:
+        """Fail every operation in flight (TransportError) and release the group without
+        waiting on any peer. ``errored``: :meth:`errored` reports the abort until the next
+        :meth:`configure` (torchft passes False when it reconfigures)."""
+        if errored:
+            self._errored = ProcessGroupAbortedError(
+                f"the torchft-cgx process group was aborted (replica {self._replica_id}, "
+                f"quorum {self._quorum_id})"
+            )
+            self.errors_logger.info(
+                "",
+                extra={
+                    "replica_id": self._replica_id,
+                    "rank": self._rank,
+                    "quorum_id": self._quorum_id,
+                    "error": "process_group_abort",
+                },
+            )
+        # Not torchft's abort: it calls the group's own abort(), which closes gracefully
+        # (a BYE to each peer, then waits for theirs).
+        pg, self._pg = self._pg, None
+        if isinstance(pg, _CGXGroup):
+            _release(pg)
+
+    def errored(self) -> Exception | None:
+        return self._errored
+
+    def shutdown(self) -> None:
+        """Release the group without waiting on its peers; ``configure`` may follow."""
+        pg, self._pg = self._pg, None
+        if isinstance(pg, _CGXGroup):
+            _release(pg)
+
+    def register(self, name: str) -> Any:
+        raise ConfigError(
+            "ProcessGroupCGX cannot be registered with torch's functional collectives "
+            "(a Python process group cannot serve them), so HSDP through torchft's "
+            "ManagedProcessGroup and DeviceMesh is not supported: use it for the replica "
+            "dimension through the Manager (DDP, DiLoCo), or torchft's ProcessGroupGloo/NCCL"
+        )
+
+    def _errored_copy(self) -> ProcessGroupAbortedError:
+        if isinstance(self._errored, ProcessGroupAbortedError):
+            return ProcessGroupAbortedError(str(self._errored))
+        return ProcessGroupAbortedError(
+            "the torchft-cgx process group is not configured (configure() is called by "
+            "torchft's Manager at each quorum)"
+        )
+
+
+async def _abort_communicator(comm: Any) -> None:
+    """On the engine loop: drop the endpoints at once (in-flight calls fail), then close
+    the communicator (nothing left to wait for)."""
+    with contextlib.suppress(Exception):
+        await comm.transport.abort()
+    await comm.close()
+
+
+def _release(group: _CGXGroup) -> None:
+    """Tear ``group`` down without waiting on its peers: in-flight operations fail with
+    TransportError at once."""
+    sync = group.communicator
+    engine = sync.engine
+    if not sync.closed and engine.running:
+        try:
+            if threading.current_thread() is engine.thread:
+                engine.submit(_abort_communicator(sync.comm))
+            else:
+                engine.run(_abort_communicator(sync.comm), ABORT_TIMEOUT_S)
+        except CGXError as exc:
+            log.info("releasing a torchft-cgx group: %s", exc)
+    group.shutdown(ABORT_TIMEOUT_S)
+
+
+class DistributedDataParallel(_FtDDP):
+    """torchft's ``DistributedDataParallel`` whose comm hook also takes the Manager's
+    error path: once a step has failed, ``Manager.allreduce`` returns a finished
+    placeholder work whose future torchft 0.2.0's hook cannot unwrap (an
+    AssertionError/AttributeError inside backward). Here its future is returned as it
+    is, so the step ends and ``should_commit`` discards it. Same constructor."""
+
+    # Unannotated: DDP checks the annotations, and this module's are strings.
+    @staticmethod
+    def _comm_hook(state, bucket):  # type: ignore[no-untyped-def]
+        work = state.allreduce(bucket.buffer())
+        work.wait()
+        fut = work.get_future()
+        inner = getattr(fut, "_fut", None)  # a managed future: hand out the real one
+        return inner if inner is not None else fut

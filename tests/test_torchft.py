@@ -1,0 +1,181 @@
+"""cgx_ucx.torchft.ProcessGroupCGX as torchft's Manager drives it: configure at every
+quorum, abort, shrink and grow, and many reconfigurations in one process.
+
+These tests call ``configure`` directly over a shared TCPStore (what the Manager does at
+each quorum change); tests/test_torchft_train.py runs whole torchft jobs.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("torchft")
+
+from harness import RankContext, run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+#: The longest abort() may take to fail an operation in flight.
+ABORT_BOUND_S = 1.0
+
+
+def _store(ctx: RankContext) -> tuple[object, str]:
+    """A TCPStore served by rank 0 (the replica group's store torchft would use) and
+    its ``host:port`` for configure's store address."""
+    import torch.distributed as dist
+
+    if ctx.rank == 0:
+        server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        ctx.store.set("port", str(server.port))
+        return server, f"127.0.0.1:{server.port}"
+    ctx.store.wait(["port"])
+    return None, f"127.0.0.1:{int(ctx.store.get('port'))}"
+
+
+def _allreduce(pg: object, value: float, n: int = 4096) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.full((n,), value)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    pg.allreduce([t], opts).wait()  # type: ignore[attr-defined]
+    return [float(t.min()), float(t.max())]
+
+
+def _configure(pg: object, addr: str, quorum: int, rank: int, world: int) -> None:
+    pg.configure(f"{addr}/torchft/{quorum}/0", "replica", rank, world, quorum)  # type: ignore[attr-defined]
+
+
+# -- shrink and grow ------------------------------------------------------------------------
+def _shrink_grow(ctx: RankContext) -> list[list[float]]:
+    from cgx_ucx.torchft import ProcessGroupCGX
+
+    server, addr = _store(ctx)
+    pg = ProcessGroupCGX(bits=4)
+    out = []
+    for quorum, members in enumerate([[0, 1, 2], [0, 2], [0, 1, 2]]):
+        if ctx.rank in members:
+            _configure(pg, addr, quorum, members.index(ctx.rank), len(members))
+            out.append(_allreduce(pg, float(ctx.rank + 1)))
+        ctx.store.add(f"done{quorum}", 1)
+        ctx.store.wait([f"done{quorum}"])
+        while int(ctx.store.add(f"done{quorum}", 0)) < ctx.world_size:
+            time.sleep(0.01)
+    pg.shutdown()
+    del server
+    return out
+
+
+def test_shrink_then_grow() -> None:
+    """A world of 3, then 2 (rank 1 left), then 3 again: each quorum's sum is right."""
+    results = run_ranks(_shrink_grow, 3, timeout=90)
+    assert results[0] == [[6.0, 6.0], [4.0, 4.0], [6.0, 6.0]]
+    assert results[2] == results[0]
+    assert results[1] == [[6.0, 6.0], [6.0, 6.0]]
+
+
+# -- abort ------------------------------------------------------------------------------------
+def _abort_in_flight(ctx: RankContext) -> dict[str, object]:
+    import torch
+    import torch.distributed as dist
+
+    from cgx_ucx.errors import CGXError
+    from cgx_ucx.torchft import ProcessGroupAbortedError, ProcessGroupCGX
+
+    server, addr = _store(ctx)
+    pg = ProcessGroupCGX(bits=4)
+    _configure(pg, addr, 0, ctx.rank, 2)
+    _allreduce(pg, 1.0)
+    report: dict[str, object] = {}
+    if ctx.rank == 0:
+        # Rank 1 never joins this allreduce: it waits until rank 0 aborted.
+        t = torch.ones(1 << 16)
+        work = pg.allreduce([t], dist.AllreduceOptions())
+        time.sleep(0.3)
+        aborted_at = time.monotonic()
+        threading.Thread(target=pg.abort).start()  # as torchft's timeout callback does
+        try:
+            work.wait()
+            report["error"] = None
+        except Exception as exc:
+            report["error"] = type(exc).__name__
+            report["typed"] = isinstance(exc, CGXError)
+        report["failed_after_s"] = time.monotonic() - aborted_at
+        report["errored"] = type(pg.errored()).__name__
+        try:
+            pg.allreduce([t], dist.AllreduceOptions())
+        except ProcessGroupAbortedError:
+            report["after"] = "ProcessGroupAbortedError"
+        ctx.store.set("aborted", "1")
+        # configure works again after an abort (torchft's next quorum)
+        _configure(pg, addr, 1, 0, 1)
+        report["alone"] = _allreduce(pg, 3.0)
+        report["errored_after_configure"] = pg.errored()
+    else:
+        ctx.store.wait(["aborted"])
+    pg.shutdown()
+    del server
+    return report
+
+
+def test_abort_fails_allreduce_in_flight_within_a_second() -> None:
+    report = run_ranks(_abort_in_flight, 2, timeout=60)[0]
+    assert report["error"] is not None and report["typed"], report
+    assert report["failed_after_s"] < ABORT_BOUND_S, report
+    assert report["errored"] == "ProcessGroupAbortedError"
+    assert report["after"] == "ProcessGroupAbortedError"
+    assert report["alone"] == [3.0, 3.0]
+    assert report["errored_after_configure"] is None
+
+
+# -- many reconfigurations --------------------------------------------------------------------
+def _resources() -> dict[str, int]:
+    with open("/proc/self/status") as f:
+        status = dict(line.split(":", 1) for line in f if ":" in line)
+    return {
+        "rss_kb": int(status["VmRSS"].split()[0]),
+        "threads": threading.active_count(),
+        "os_threads": int(status["Threads"]),
+        "fds": len(os.listdir("/proc/self/fd")),
+    }
+
+
+def _reconfigure_many(ctx: RankContext, times: int) -> list[dict[str, int]]:
+    from cgx_ucx.torchft import ProcessGroupCGX
+
+    server, addr = _store(ctx)
+    pg = ProcessGroupCGX(bits=4)
+    seen = []
+    for quorum in range(times):
+        _configure(pg, addr, quorum, ctx.rank, 2)
+        assert _allreduce(pg, 1.0) == [2.0, 2.0]
+        if quorum in (times // 5, times - 1):
+            seen.append(_resources())
+    pg.shutdown()
+    del server
+    return seen
+
+
+def _check_flat(seen: list[dict[str, int]]) -> None:
+    first, last = seen
+    assert last["threads"] == first["threads"], seen
+    assert last["os_threads"] <= first["os_threads"] + 1, seen
+    assert last["fds"] <= first["fds"] + 2, seen
+    assert last["rss_kb"] - first["rss_kb"] < 40_000, seen
+
+
+def test_reconfigure_twenty_times_flat() -> None:
+    """Threads, file descriptors (listeners included) and RSS stay flat."""
+    for seen in run_ranks(_reconfigure_many, 2, args=(20,), timeout=90):
+        _check_flat(seen)
+
+
+@pytest.mark.slow
+def test_reconfigure_hundred_times_flat() -> None:
+    for seen in run_ranks(_reconfigure_many, 2, args=(100,), timeout=300):
+        _check_flat(seen)
