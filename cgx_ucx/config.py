@@ -212,6 +212,15 @@ ENV_VARIABLES: tuple[EnvVar, ...] = (
         "HierarchyConfig.intra_shm",
     ),
     EnvVar(
+        "CGX_UCX_KERNEL_CACHE",
+        "a directory path",
+        "unset",
+        "Where the host codec's compiled Numba kernels are kept. Unset: `NUMBA_CACHE_DIR` "
+        "if set, else `$XDG_CACHE_HOME/cgx_ucx/numba-<numba>-py<X.Y>` (`~/.cache` without "
+        "`XDG_CACHE_HOME`), shared by every virtual environment of the user.",
+        "cgx_ucx.compression.kernels",
+    ),
+    EnvVar(
         "CGX_BENCH_LINK_DEVICE",
         "a network device name",
         "unset",

@@ -45,6 +45,7 @@ from cgx_ucx.compression import (
     reduce_encode,
     reference,
 )
+from cgx_ucx.compression.kernels import compiling_here
 from cgx_ucx.errors import CodecError, ConfigError
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -64,6 +65,14 @@ class Backend:
         self.name = name
         mod = reference if name == "numpy" else sys.modules["cgx_ucx.compression"]
         self.encode, self.decode, self.decode_add = mod.encode, mod.decode, mod.decode_add
+
+
+@pytest.fixture(autouse=True, scope="module")
+def kernels_compiled_on_use() -> Any:
+    """Host calls run the Numba kernels, compiled on first use, even where a connect in
+    this process made them compile in the background (the NumPy reference stands in)."""
+    with compiling_here():
+        yield
 
 
 @pytest.fixture(params=["numba", "numpy"])

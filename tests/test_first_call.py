@@ -1,7 +1,8 @@
-"""The first compressed call of a process: with an EMPTY Numba cache (a fresh
-install) and a short peer deadline, the run must not fail: connect() compiles the codec
-on a thread while it connects and returns only once every rank's kernels are loaded, so
-no compile runs inside a peer's deadline."""
+"""The first compressed call of a process: with an EMPTY kernel cache (a fresh install)
+and a short peer deadline, the run must not fail. Connect compiles no codec kernel (its
+own small calls run the NumPy reference); a call whose kernel is not compiled yet runs the
+reference too, with the same bytes, while the kernel compiles in the background, so no
+compile runs inside a peer's deadline."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from harness import run_ranks
 
 from cgx_ucx.collectives import connect
+from cgx_ucx.compression import cpu
 from cgx_ucx.config import CommConfig
 
 #: A peer deadline far below a cold compile of the codec; connect may take its time.
@@ -20,6 +22,8 @@ CFG = CommConfig(timeout=2.0, connect_timeout=300.0)
 
 async def first_calls(ctx):
     async with await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG) as comm:
+        kernels = (cpu._encode_range, cpu._decode_range, cpu._reduce_encode_range)
+        compiled_at_connect = sum(len(k.dispatcher.signatures) for k in kernels)
         out = []
         for dtype in (np.float32, np.float16):
             x = np.random.default_rng(ctx.rank).standard_normal(4096).astype(dtype)
@@ -31,13 +35,15 @@ async def first_calls(ctx):
             t0 = time.perf_counter()
             await comm.allreduce(out[0][0].copy(), bits=4)
             warm.append(time.perf_counter() - t0)
-    return out, float(np.median(warm))
+    return out, float(np.median(warm)), compiled_at_connect
 
 
 @pytest.mark.timeout(400)
 def test_cold_cache_and_a_short_timeout_never_fail_the_first_call(tmp_path, monkeypatch):
+    monkeypatch.setenv("CGX_UCX_KERNEL_CACHE", str(tmp_path / "kernels"))
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "numba_cache"))
     results = run_ranks(first_calls, 2, timeout=380)
+    assert [r[2] for r in results] == [0, 0], "connect compiled codec kernels"
     for i in range(2):
         assert results[0][0][i][0].tobytes() == results[1][0][i][0].tobytes()
     # The first call compiles nothing: it costs what a warm one does, not seconds (the

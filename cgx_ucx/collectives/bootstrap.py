@@ -1,6 +1,11 @@
 """What :func:`~.communicator.connect` does between the connected mesh and the first
-collective: the CPU codec's kernels compiled (or loaded) on every rank, its threads
-shared out between the ranks of a host, and the store counter the ranks meet at.
+collective: the host codec's threads shared out between the ranks of a host, and the
+store counter the ranks meet at.
+
+Connect compiles no codec kernel: each kernel signature is compiled on a background thread
+once calls need it, and calls run the NumPy reference codec (the same bytes) until then
+(:mod:`cgx_ucx.compression.kernels`), so no compile runs inside a peer's deadline and a
+job compiles only what it uses (a GPU-only job no host kernel).
 """
 
 from __future__ import annotations
@@ -21,15 +26,12 @@ log = logging.getLogger("cgx_ucx")
 
 
 def start_codec_warm_up() -> concurrent.futures.Future | None:
-    """Compile (or load) the CPU codec's kernels on a thread; None without Numba."""
-    try:
-        from ..compression import cpu
-    except ImportError:  # pragma: no cover
-        return None
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cgx-warm-up")
-    fut = pool.submit(cpu.warm_up)
-    pool.shutdown(wait=False)
-    return fut
+    """Switch the host codec to compiling in the background (see the module's docstring);
+    returns the codec work connect must wait for: none."""
+    from ..compression import kernels
+
+    kernels.compile_in_background()
+    return None
 
 
 async def codec_ready(
@@ -39,27 +41,25 @@ async def codec_ready(
     config: CommConfig,
     prefix: str,
 ) -> None:
-    """Wait (bounded by ``connect_timeout``) until the codec is compiled on every rank.
-
-    A cold compile (a fresh install: an empty Numba cache) takes seconds; inside a first
-    collective it would make a peer that was ready time out waiting for this rank. So no
-    rank returns from connect before every rank's kernels are loaded: a counter in the
-    store, under the communicator's job-unique id. Past the bound the connect goes on (a
-    warning): a slow compile must not fail the run.
+    """Wait (bounded by ``connect_timeout``) until ``warm`` is done on every rank: a
+    counter in the store, under the communicator's job-unique id. Without ``warm`` (the
+    codec needs nothing at connect) there is nothing to wait for. Past the bound the
+    connect goes on (a warning): slow local work must not fail the run.
     """
+    if warm is None:
+        return
     end = time.monotonic() + config.connect_timeout
-    if warm is not None:
-        try:
-            await asyncio.wait_for(asyncio.wrap_future(warm), config.connect_timeout)
-        except TimeoutError:
-            log.warning("codec kernels not compiled within connect_timeout; going on")
-        except Exception as exc:  # the first compressed call reports it, typed
-            log.warning("codec warm-up failed: %s", exc)
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(warm), config.connect_timeout)
+    except TimeoutError:
+        log.warning("codec warm-up not done within connect_timeout; going on")
+    except Exception as exc:  # the first compressed call reports it, typed
+        log.warning("codec warm-up failed: %s", exc)
     if mesh.world_size == 1:
         return
     key = f"{prefix}/codec_ready/{mesh.job:x}"
     if not await all_counted(store, key, mesh.world_size, end, pause=0.005):
-        log.warning("not every rank compiled its codec within connect_timeout; going on")
+        log.warning("not every rank warmed its codec up within connect_timeout; going on")
 
 
 async def all_counted(store: Any, key: str, n: int, end: float, pause: float = 0.002) -> bool:
@@ -77,15 +77,13 @@ async def all_counted(store: Any, key: str, n: int, end: float, pause: float = 0
 def share_codec_threads(local_ranks: int) -> None:
     """Give the CPU codec ``cores // local ranks`` threads, unless someone chose already.
 
-    A parallel Numba kernel waits for its slowest thread; with several ranks per host
+    A parallel host codec call waits for its slowest thread; with several ranks per host
     each running all-core kernels, the threads oversubscribe the cores and wait for time
     slices: a large 4-bit allreduce then runs several times slower than with the cores
     shared out between the ranks.
     """
-    try:
-        from ..compression import cpu
-    except ImportError:  # pragma: no cover
-        return
+    from ..compression import cpu_threads as cpu  # no Numba import: a GPU job needs none
+
     if cpu.threads_chosen():
         return
     try:

@@ -15,8 +15,9 @@ fused multiply-add, so the bytes equal :mod:`.reference`'s exactly; the tests ch
 
 float16 and bfloat16 have no Numba type: their bits travel as ``uint16`` (float16) and
 ``int16`` (bfloat16) views, and the element type selects the conversion at compile time
-(:func:`_load`, :func:`_store`). Kernels are compiled on first use, not at import, and
-cached on disk (``cache=True``).
+(:func:`_load`, :func:`_store`). Kernels are compiled per signature when calls need
+them, on a background thread, and kept in a per-user disk cache (:mod:`.kernels`); until a
+signature is compiled its calls run the NumPy reference, whose bytes are the same.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from numba import njit, types
 from numba.extending import overload
 
 from ..arrays import BFLOAT16
+from . import reference
 from .codec import HEADER_NBYTES, CodecHeader
 from .cpu_threads import (
     BATCH_VALUES,
@@ -39,6 +41,7 @@ from .cpu_threads import (
     set_num_threads,
     threads_chosen,
 )
+from .kernels import Kernel, compiling_here
 from .reference import GOLDEN, MIX1, MIX2, U_SHIFT, empty_bytes, empty_values, seed_key
 
 __all__ = [
@@ -302,7 +305,7 @@ def _encode_chunk(x, n, bits, bsize, k, stochastic, key, meta, codes, chunk, sc,
     _pack(sc, m, bits, codes[off : off + (m * bits + 7) // 8])
 
 
-@njit(nogil=True, cache=True)
+@Kernel
 def _encode_range(x, n, bits, bsize, k, stochastic, key, meta, codes, c0, c1, nsc, dec):
     """Chunks [c0, c1), without the GIL; the scratch is this call's only allocation."""
     sc = np.empty(nsc, dtype=np.uint8)
@@ -379,7 +382,7 @@ def _decode_chunk(codes, meta, n, bits, bsize, k, out, add, chunk, sc):
         _dequantize(sc[s - cs : e - cs], out[s:e], meta[2 * b], meta[2 * b + 1], add)
 
 
-@njit(nogil=True, cache=True)
+@Kernel
 def _decode_range(codes, meta, n, bits, bsize, k, out, add, c0, c1, nsc):
     sc = np.empty(nsc, dtype=np.uint8)
     for c in range(c0, c1):
@@ -421,7 +424,7 @@ def _reduce_encode_chunk(cin, min_, acc, n, bits, bsize, k, div, stochastic, key
     _pack(sc, m, bits, codes[off : off + nb])
 
 
-@njit(nogil=True, cache=True)
+@Kernel
 def _reduce_encode_range(cin, min_, acc, n, bits, bsize, k, div, stochastic, key, meta, codes,
                          c0, c1, nsc, dec):  # fmt: skip
     sc = np.empty(nsc, dtype=np.uint8)
@@ -475,11 +478,9 @@ def encode_decode_into(
     """:func:`encode_into`, and ``decoded`` (may be ``x``) = decode(buf), in one pass."""
     dec = _kernel_view(decoded)
     if hdr.raw or dec is None or _overlap_shifted(x, decoded):
-        _encode(x, hdr, seed, buf, None)  # a copy, an exotic float, an overlap: two passes
-        if hdr.numel:
-            decode_into(buf, hdr, decoded)
-        return
-    _encode(x, hdr, seed, buf, dec)
+        dec = None  # a copy, an exotic float, an overlap: two passes
+    if (not _encode(x, hdr, seed, buf, dec) or dec is None) and hdr.numel:
+        decode_into(buf, hdr, decoded)
 
 
 def reduce_encode_into(
@@ -495,7 +496,7 @@ def reduce_encode_into(
     """acc += decode(buf_in); acc /= divisor (when > 0); encode acc into ``buf`` and
     ``decoded`` = decode(buf), in one pass. False (nothing done) where the pass does not
     apply: widths or buckets that differ in and out, uncompressed segments, an exotic
-    ``decoded`` dtype, or ``decoded`` overlapping ``acc`` shifted."""
+    ``decoded`` dtype, ``decoded`` overlapping ``acc`` shifted, or a kernel not compiled yet."""
     dec = _kernel_view(decoded)
     same = (hdr_in.bits, hdr_in.bucket_size, hdr_in.numel) == (hdr.bits, hdr.bucket_size, hdr.numel)
     if not same or hdr.raw or dec is None or acc.dtype != np.float32:
@@ -504,14 +505,13 @@ def reduce_encode_into(
         return False
     meta_in, _ = _meta_view(buf_in, hdr_in)
     codes_in = buf_in[hdr_in.codes_offset :]
-    n, bits, bsize, div = hdr.numel, hdr.bits, hdr.bucket_size, divisor
+    n, bits, bsize, div, st = hdr.numel, hdr.bits, hdr.bucket_size, divisor, hdr.stochastic
 
-    def kernel(meta: Any, codes: Any, k: int, key: Any, nsc: int, c0: int, c1: int) -> None:
-        _reduce_encode_range(codes_in, meta_in, acc, n, bits, bsize, k, div, hdr.stochastic,
-                             key, meta, codes, c0, c1, nsc, dec)  # fmt: skip
+    def args(meta: Any, codes: Any, k: int, key: Any, nsc: int, c0: int, c1: int) -> tuple:
+        return (codes_in, meta_in, acc, n, bits, bsize, k, div, st, key, meta, codes, c0, c1,
+                nsc, dec)  # fmt: skip
 
-    _encode_chunks(hdr, seed, buf, kernel)
-    return True
+    return _encode_chunks(hdr, seed, buf, _reduce_encode_range, args)
 
 
 def _overlap_shifted(a: np.ndarray, b: np.ndarray) -> bool:
@@ -520,42 +520,53 @@ def _overlap_shifted(a: np.ndarray, b: np.ndarray) -> bool:
     return b.ctypes.data != a.ctypes.data and np.may_share_memory(a, b)
 
 
-def _encode(x: np.ndarray, hdr: CodecHeader, seed: int, buf: np.ndarray, dec: Any) -> None:
+def _encode(x: np.ndarray, hdr: CodecHeader, seed: int, buf: np.ndarray, dec: Any) -> bool:
+    """Encode ``x`` into ``buf``; True if the kernel ran (and decoded into ``dec``, unless
+    None), False if the NumPy reference encoded (``dec`` untouched)."""
     if hdr.raw:
         buf[:HEADER_NBYTES] = np.frombuffer(hdr.pack(), dtype=np.uint8)
         if hdr.numel:
             buf[HEADER_NBYTES:] = x.view(np.uint8)
-        return
+        return True
     xk = _kernel_view(x)
-    n, bits, bsize = hdr.numel, hdr.bits, hdr.bucket_size
+    n, bits, bsize, st = hdr.numel, hdr.bits, hdr.bucket_size, hdr.stochastic
 
-    def kernel(meta: Any, codes: Any, k: int, key: Any, nsc: int, c0: int, c1: int) -> None:
-        _encode_range(xk, n, bits, bsize, k, hdr.stochastic, key, meta, codes, c0, c1, nsc,
-                      dec)  # fmt: skip
+    def args(meta: Any, codes: Any, k: int, key: Any, nsc: int, c0: int, c1: int) -> tuple:
+        return (xk, n, bits, bsize, k, st, key, meta, codes, c0, c1, nsc, dec)
 
-    _encode_chunks(hdr, seed, buf, kernel)
+    if _encode_chunks(hdr, seed, buf, _encode_range, args):
+        return True
+    reference.encode_into(x, hdr, seed, buf)
+    return False
 
 
 def _encode_chunks(
-    hdr: CodecHeader, seed: int, buf: np.ndarray, kernel: Callable[..., None]
-) -> None:
-    """Write the header of a compressed segment into ``buf`` and run ``kernel(meta, codes,
-    k, key, nsc, c0, c1)`` over its chunks (shared with helper threads): the meta and codes
-    of ``buf``, ``k`` buckets per chunk, the rounding key, the scratch size."""
+    hdr: CodecHeader, seed: int, buf: np.ndarray, kernel: Kernel, args: Callable[..., tuple]
+) -> bool:
+    """Write the header of a compressed segment into ``buf`` and run ``kernel`` over its
+    chunks (shared with helper threads) with ``args(meta, codes, k, key, nsc, c0, c1)``:
+    the meta and codes of ``buf``, ``k`` buckets per chunk, the rounding key, the scratch
+    size, the chunks. False, having run nothing, if that signature is not compiled yet."""
     buf[:HEADER_NBYTES] = np.frombuffer(hdr.pack(), dtype=np.uint8)
     n = hdr.numel
     if n == 0:
-        return
+        return True
     meta, is_view = _meta_view(buf, hdr)
     codes = buf[hdr.codes_offset :]
     k, nchunks = chunking(hdr)
     key = np.uint64(seed_key(seed))
     nsc = min(k * hdr.bucket_size, n)  # scratch: one chunk of codes, never more than numel
+    if not kernel.ready(args(meta, codes, k, key, nsc, 0, 0), n):
+        return False
     run_chunks(
-        lambda c0, c1: kernel(meta, codes, k, key, nsc, c0, c1), n, nchunks, k * hdr.bucket_size
+        lambda c0, c1: kernel(*args(meta, codes, k, key, nsc, c0, c1)),
+        n,
+        nchunks,
+        k * hdr.bucket_size,
     )
     if not is_view:
         buf[HEADER_NBYTES : hdr.codes_offset] = meta.view(np.uint8)
+    return True
 
 
 def _decode(buf: np.ndarray, hdr: CodecHeader, out: np.ndarray, add: bool) -> None:
@@ -581,11 +592,15 @@ def _decode(buf: np.ndarray, hdr: CodecHeader, out: np.ndarray, add: bool) -> No
     codes = buf[hdr.codes_offset :]
     k, nchunks = chunking(hdr)
     nsc = min(k * hdr.bucket_size, n)
+    bits, bsize = hdr.bits, hdr.bucket_size
+    if not _decode_range.ready((codes, meta, n, bits, bsize, k, target, add, 0, 0, nsc), n):
+        (reference.decode_add_into if add else reference.decode_into)(buf, hdr, out)
+        return
 
     def run(c0: int, c1: int) -> None:
-        _decode_range(codes, meta, n, hdr.bits, hdr.bucket_size, k, target, add, c0, c1, nsc)
+        _decode_range(codes, meta, n, bits, bsize, k, target, add, c0, c1, nsc)
 
-    run_chunks(run, n, nchunks, k * hdr.bucket_size)
+    run_chunks(run, n, nchunks, k * bsize)
 
 
 def encode_chunks_direct(
@@ -597,18 +612,22 @@ def encode_chunks_direct(
     k: int,
     nchunks: int,
     nsc: int,
-) -> None:
+) -> bool:
     """The kernels of :func:`encode_into` on a compressed segment whose header is written
     and whose meta (an aligned float32 view) and codes are given: for callers that
-    checked everything once (:class:`.host_run.HostRun`)."""
+    checked everything once (:class:`.host_run.HostRun`). False, having written nothing,
+    if the kernel is not compiled yet (then the caller runs the NumPy reference)."""
     xk = _kernel_view(x)
     key = np.uint64(seed_key(seed)) if seed else _KEY0
     n, bits, bsize, st = hdr.numel, hdr.bits, hdr.bucket_size, hdr.stochastic
+    if not _encode_range.ready((xk, n, bits, bsize, k, st, key, meta, codes, 0, 0, nsc, None), n):
+        return False
 
     def run(c0: int, c1: int) -> None:
         _encode_range(xk, n, bits, bsize, k, st, key, meta, codes, c0, c1, nsc, None)
 
     run_chunks(run, n, nchunks, k * bsize)
+    return True
 
 
 def decode_add_direct(
@@ -619,15 +638,19 @@ def decode_add_direct(
     k: int,
     nchunks: int,
     nsc: int,
-) -> None:
+) -> bool:
     """The kernels of :func:`decode_add_into` on a compressed segment whose header was
-    checked, its meta (an aligned float32 view) and codes given (as above)."""
+    checked, its meta (an aligned float32 view) and codes given (as above; False, having
+    added nothing, if the kernel is not compiled yet)."""
     n, bits, bsize = hdr.numel, hdr.bits, hdr.bucket_size
+    if not _decode_range.ready((codes, meta, n, bits, bsize, k, acc, True, 0, 0, nsc), n):
+        return False
 
     def run(c0: int, c1: int) -> None:
         _decode_range(codes, meta, n, bits, bsize, k, acc, True, c0, c1, nsc)
 
     run_chunks(run, n, nchunks, k * bsize)
+    return True
 
 
 def decode_into(buf: np.ndarray, hdr: CodecHeader, out: np.ndarray) -> None:
@@ -639,40 +662,38 @@ def decode_add_into(buf: np.ndarray, hdr: CodecHeader, acc: np.ndarray) -> None:
 
 
 def warmup(dtypes: tuple[Any, ...] = (np.float32,)) -> None:
-    """Compile (or load from Numba's disk cache) the kernels the collectives use.
+    """Compile (or load from the kernel cache) the kernels the collectives use for
+    ``dtypes``, on the calling thread, so that later calls run them at once.
 
-    Call it once before spawning workers or timing: a cold compile takes seconds, a load
-    from the disk cache much less. Covers encode, decode_add and decode for ``dtypes``,
-    and the requantization of a float32 accumulator into each of them (the same kernels
-    serve serial and parallel calls, and both roundings).
+    Covers encode, decode_add and decode for ``dtypes``, and the requantization of a
+    float32 accumulator into each of them (the same kernels serve serial and parallel
+    calls, and both roundings). Without it each signature is compiled in the background
+    once calls need it, and calls run the NumPy reference until then.
     """
     n = 8
     acc_hdr = CodecHeader(4, 1024, n, np.dtype(np.float32), False)
-    for dt in dtypes:
-        x = np.zeros(n, dtype=dt)
-        hdr = CodecHeader(4, 1024, n, np.dtype(dt), False)
-        buf = empty_bytes(hdr.nbytes)
-        encode_into(x, hdr, 0, buf)
-        decode_into(buf, hdr, np.empty(n, dtype=dt))
-        decode_add_into(buf, hdr, np.zeros(n, np.float32))
-        # A peer's bytes mapped read-only (node-local mailboxes) are kernels' arguments
-        # of another type: compiled here too, not in a first call.
-        frozen = buf.copy()
-        frozen.flags.writeable = False
-        decode_add_into(frozen, hdr, np.zeros(n, np.float32))
-        encode_decode_into(np.zeros(n, np.float32), acc_hdr, 0, buf, np.empty(n, dtype=dt))
-        acc_buf = empty_bytes(acc_hdr.nbytes)
-        encode_into(np.zeros(n, np.float32), acc_hdr, 0, acc_buf)
-        out = empty_bytes(acc_hdr.nbytes)
-        acc = np.zeros(n, np.float32)
-        reduce_encode_into(acc_buf, acc_hdr, acc, 2, acc_hdr, 0, out, np.empty(n, dtype=dt))
+    with compiling_here():
+        for dt in dtypes:
+            x = np.zeros(n, dtype=dt)
+            hdr = CodecHeader(4, 1024, n, np.dtype(dt), False)
+            buf = empty_bytes(hdr.nbytes)
+            encode_into(x, hdr, 0, buf)
+            decode_into(buf, hdr, np.empty(n, dtype=dt))
+            decode_add_into(buf, hdr, np.zeros(n, np.float32))
+            # A peer's bytes mapped read-only (node-local mailboxes) are kernels' arguments
+            # of another type.
+            frozen = buf.copy()
+            frozen.flags.writeable = False
+            decode_add_into(frozen, hdr, np.zeros(n, np.float32))
+            encode_decode_into(np.zeros(n, np.float32), acc_hdr, 0, buf, np.empty(n, dtype=dt))
+            acc_buf = empty_bytes(acc_hdr.nbytes)
+            encode_into(np.zeros(n, np.float32), acc_hdr, 0, acc_buf)
+            out = empty_bytes(acc_hdr.nbytes)
+            acc = np.zeros(n, np.float32)
+            reduce_encode_into(acc_buf, acc_hdr, acc, 2, acc_hdr, 0, out, np.empty(n, dtype=dt))
 
 
 def warm_up() -> None:
-    """Compile (or load from Numba's disk cache) every kernel for every dtype the codec
-    takes (float32, float16, bfloat16), so that no first call compiles.
-
-    :func:`cgx_ucx.collectives.connect` runs it on a thread while it connects: a cold
-    compile takes seconds, and it must never run inside a peer's deadline.
-    """
+    """:func:`warmup` for every dtype the codec takes (float32, float16, bfloat16): no
+    later call of the host codec compiles or runs the NumPy reference."""
     warmup((np.float32, np.float16, BFLOAT16))

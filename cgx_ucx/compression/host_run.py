@@ -8,7 +8,8 @@ segment take many times the kernel's own time. A :class:`HostRun` does that work
 layout: the headers, offsets, chunking and scratch sizes are computed when it is built; a
 call checks what can differ between calls (the buffers' sizes, the meta's alignment: an
 unaligned float32 view is another Numba type, see ``cpu._meta_view``; and, on decode,
-every header byte) and calls the kernels of :mod:`.cpu` directly.
+every header byte) and calls the kernels of :mod:`.cpu` directly (or, while a kernel is
+not compiled yet, the NumPy reference, whose bytes are the same).
 
 The bytes written and the values accumulated are exactly those of
 :func:`~.codec.encode` and :func:`~.codec.decode_add` segment by segment (the same
@@ -27,7 +28,7 @@ import numpy as np
 
 from ..arrays import as_uint8_buffer
 from ..errors import CodecError
-from . import codec, cpu
+from . import codec, cpu, reference
 from .codec import HEADER_NBYTES, RAW_BITS, CodecHeader
 
 __all__ = ["HostRun", "RunSegment"]
@@ -120,10 +121,10 @@ class HostRun:
                 )  # fmt: skip
                 continue
             seg[:HEADER_NBYTES] = p.header_u8
-            if p.hdr.numel:
-                cpu.encode_chunks_direct(
-                    part, p.hdr, seed, meta, out[p.codes : p.end], p.k, p.nchunks, p.nsc
-                )
+            if p.hdr.numel and not cpu.encode_chunks_direct(
+                part, p.hdr, seed, meta, out[p.codes : p.end], p.k, p.nchunks, p.nsc
+            ):
+                reference.encode_into(part, p.hdr, seed, seg)  # the kernel is not compiled yet
         return out
 
     def decode_add(self, buf: np.ndarray, acc: np.ndarray) -> None:
@@ -142,8 +143,10 @@ class HostRun:
             meta = None if p.hdr.raw else buf[p.offset + HEADER_NBYTES : p.codes].view(np.float32)
             if meta is None or not meta.flags.aligned or seg[:HEADER_NBYTES].tobytes() != p.header:
                 codec.decode_add(seg, a)
-            elif p.hdr.numel:
-                cpu.decode_add_direct(buf[p.codes : p.end], meta, p.hdr, a, p.k, p.nchunks, p.nsc)
+            elif p.hdr.numel and not cpu.decode_add_direct(
+                buf[p.codes : p.end], meta, p.hdr, a, p.k, p.nchunks, p.nsc
+            ):
+                reference.decode_add_into(seg, p.hdr, a)  # the kernel is not compiled yet
 
     def _check_values(self, a: np.ndarray, dtype: np.dtype, what: str) -> None:
         """``a`` is the 1-D contiguous array of the run's source (``numel`` values of

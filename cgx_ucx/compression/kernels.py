@@ -1,0 +1,300 @@
+"""Numba kernels compiled per signature, off the calling thread, into a per-user disk cache.
+
+A :class:`Kernel` wraps one ``@njit`` function. A call asks :meth:`Kernel.ready` whether
+the signature its arguments make (element types, read-only or not, alignment) is compiled.
+By default a missing one is compiled then, on the calling thread, as Numba does. Once
+:func:`compile_in_background` is called (by :func:`cgx_ucx.collectives.connect`: a
+collective must not compile inside a peer's deadline), the caller runs the NumPy reference
+codec instead (:mod:`.reference`, bytes equal to the kernels', which the tests check) and
+the signature is compiled by one background thread once calls of it have moved
+:data:`COMPILE_AFTER_VALUES` values: a job compiles only the signatures it uses (a job
+whose only host-side calls are the small ones made while connecting compiles none), and
+no call waits for a compile. :func:`compiling_here` compiles on the calling thread in
+either mode (:func:`.cpu.warmup`).
+
+Compiled kernels are kept in :func:`cache_dir`, one directory per user, Numba version and
+Python version, shared by every virtual environment of the user. Files are named after a
+digest of the kernels' module with its docstrings and comments left out
+(:func:`source_digest`): an edit to a docstring keeps the cache, an edit to code makes new
+files, and two installed versions of cgx_ucx keep their kernels side by side.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import hashlib
+import inspect
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from ..config import read_env
+
+__all__ = [
+    "COMPILE_AFTER_VALUES",
+    "ENV_KERNEL_CACHE",
+    "Kernel",
+    "cache_dir",
+    "compile_in_background",
+    "compiling_here",
+    "source_digest",
+    "wait_compiled",
+]
+
+log = logging.getLogger("cgx_ucx")
+
+#: The environment variable that sets :func:`cache_dir`.
+ENV_KERNEL_CACHE = "CGX_UCX_KERNEL_CACHE"
+
+#: Values a signature's calls move on the NumPy reference before it is compiled. The
+#: reference takes 50-100x a kernel's time, a few hundred ns per value (measured by
+#: `python -m cgx_ucx.bench codec`, which times both), and a cold compile several seconds
+#: of one core: calls adding up to fewer values cost less than the compile they would start.
+COMPILE_AFTER_VALUES = 1 << 20
+
+
+def cache_dir(env: Mapping[str, str] | None = None) -> Path:
+    """Where compiled kernels are kept: ``CGX_UCX_KERNEL_CACHE``, else ``NUMBA_CACHE_DIR``
+    (Numba's own setting, so that a Numba-wide choice holds here too), else
+    ``$XDG_CACHE_HOME/cgx_ucx/numba-<Numba version>-py<X.Y>`` (``~/.cache`` without
+    ``XDG_CACHE_HOME``).
+
+    Per user, so every virtual environment of the user loads what one compiled; per Numba
+    and Python version, because Numba's index of a kernel drops the entries another
+    version wrote (two environments that differ would evict each other's kernels).
+    """
+    import numba
+
+    env = os.environ if env is None else env
+    chosen = read_env(ENV_KERNEL_CACHE, env) or env.get("NUMBA_CACHE_DIR")
+    if chosen:
+        return Path(chosen).expanduser()
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    py = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    return Path(base) / "cgx_ucx" / f"numba-{numba.__version__}-py{py}"
+
+
+def source_digest(module: ModuleType) -> str:
+    """A digest of ``module``'s code without its docstrings and comments, and of the
+    numbers among its globals (constants a kernel freezes when it is compiled)."""
+    import numba
+
+    tree = ast.parse(inspect.getsource(module))
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(body, list)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            node.body = body[1:] or [ast.Pass()]  # type: ignore[attr-defined]
+    numbers = sorted(
+        (name, repr(value))
+        for name, value in vars(module).items()
+        if isinstance(value, int | float | np.generic) and not isinstance(value, bool)
+    )
+    text = ast.dump(tree) + repr(numbers) + numba.__version__
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _cache_class(path: Path, digest: str) -> type:
+    """A Numba cache class that keeps a kernel in ``path`` under ``digest``."""
+    from numba.core.caching import CompileResultCacheImpl, FunctionCache, _CacheLocator
+
+    class Locator(_CacheLocator):
+        def __init__(self, py_func: Any, py_file: str) -> None:
+            self._py_file = py_file  # Numba's warnings name it
+
+        def get_cache_path(self) -> str:
+            return str(path)
+
+        def get_source_stamp(self) -> str:
+            return digest
+
+        def get_disambiguator(self) -> str:
+            return digest
+
+        @classmethod
+        def from_function(cls, py_func: Any, py_file: str) -> Locator | None:
+            self = cls(py_func, py_file)
+            try:
+                self.ensure_cache_path()
+            except OSError:  # not writable: Numba tries its other places
+                return None
+            return self
+
+    class Impl(CompileResultCacheImpl):
+        _locator_classes = [Locator, *CompileResultCacheImpl._locator_classes]  # noqa: SLF001
+
+    class Cache(FunctionCache):
+        _impl_class = Impl
+
+    return Cache
+
+
+def _arg_key(a: Any) -> Any:
+    """What of an argument decides its Numba type, as far as the kernels' callers vary it."""
+    if isinstance(a, np.ndarray):
+        f = a.flags
+        return (a.dtype.char, a.ndim, f.writeable, f.aligned, f.c_contiguous)
+    return type(a)
+
+
+class _Compiler:
+    """The background thread that compiles queued signatures, one at a time."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.Queue[tuple[Kernel, Any, tuple[Any, ...]]] = queue.Queue()
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+        self.pending = 0
+        self.idle = threading.Condition(self.lock)
+        self.told = False  # the INFO line was written
+
+    def submit(self, kernel: Kernel, key: Any, sig: tuple[Any, ...]) -> None:
+        with self.lock:
+            self.pending += 1
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="cgx-compile", daemon=True)
+                self.thread.start()
+        self.jobs.put((kernel, key, sig))
+
+    def _run(self) -> None:
+        while True:
+            kernel, key, sig = self.jobs.get()
+            try:
+                kernel.compile_signature(key, sig)
+            except Exception as exc:  # the kernel stays on the NumPy reference
+                log.warning("compiling %s failed, the NumPy codec stands in: %s", kernel, exc)
+            finally:
+                with self.lock:
+                    self.pending -= 1
+                    self.idle.notify_all()
+
+    def wait(self, timeout: float | None) -> bool:
+        with self.lock:
+            return self.idle.wait_for(lambda: self.pending == 0, timeout)
+
+
+_compiler = _Compiler()
+_here = threading.local()
+_background = False
+
+
+def compile_in_background(on: bool = True) -> None:
+    """From now on, calls whose kernel is not compiled run the NumPy reference while a
+    background thread compiles it (``on``), or compile it first (not ``on``)."""
+    global _background
+    _background = bool(on)
+
+
+@contextlib.contextmanager
+def compiling_here() -> Iterator[None]:
+    """Within this block, calls on this thread compile what they need before they run
+    (as Numba does by default) instead of running the NumPy reference meanwhile."""
+    before = getattr(_here, "on", False)
+    _here.on = True
+    try:
+        yield
+    finally:
+        _here.on = before
+
+
+def wait_compiled(timeout: float | None = None) -> bool:
+    """Wait until every queued signature is compiled; False if ``timeout`` passed first."""
+    return _compiler.wait(timeout)
+
+
+class Kernel:
+    """A Numba kernel (``nogil``) whose signatures compile only when calls ask for them.
+
+    ``module`` is the module that defines ``py_func`` and every function it calls: its
+    :func:`source_digest` names the cached files.
+    """
+
+    def __init__(self, py_func: Callable[..., Any], module: ModuleType | None = None) -> None:
+        import numba
+
+        self.dispatcher = numba.njit(nogil=True)(py_func)
+        self._module = module if module is not None else sys.modules[py_func.__module__]
+        self._ready: set[Any] = set()
+        self._queued: set[Any] = set()
+        self._moved: dict[Any, int] = {}
+        self._cache_on = False
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"Kernel({self.dispatcher.py_func.__qualname__})"
+
+    def __call__(self, *args: Any) -> Any:
+        return self.dispatcher(*args)
+
+    def ready(self, args: tuple[Any, ...], numel: int) -> bool:
+        """Whether the signature of ``args`` is compiled (then call the kernel with them).
+
+        If it is not, it is compiled now (True), unless :func:`compile_in_background` is
+        on and this thread is not inside :func:`compiling_here`: then the call counts
+        ``numel`` values towards :data:`COMPILE_AFTER_VALUES`, after which the signature is
+        queued for the background thread (False until it is compiled).
+        """
+        key = tuple(map(_arg_key, args))
+        if key in self._ready:
+            return True
+        if not _background or getattr(_here, "on", False):
+            self.compile_signature(key, self.signature(args))
+            return True
+        moved = self._moved.get(key, 0) + max(int(numel), 1)
+        self._moved[key] = moved
+        if moved >= COMPILE_AFTER_VALUES and key not in self._queued:
+            self._queued.add(key)
+            _compiler.submit(self, key, self.signature(args))
+        return False
+
+    def signature(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(self.dispatcher.typeof_pyval(a) for a in args)
+
+    def compile_signature(self, key: Any, sig: tuple[Any, ...]) -> None:
+        """Compile (or load from the disk cache) ``sig``; ``key`` becomes ready."""
+        with self._lock:
+            if not self._cache_on:
+                self._use_cache()
+        t0 = time.perf_counter()
+        misses = sum(self.dispatcher.stats.cache_misses.values())
+        self.dispatcher.compile(sig)
+        took = time.perf_counter() - t0
+        self._ready.add(key)
+        if sum(self.dispatcher.stats.cache_misses.values()) == misses:
+            log.debug("%s loaded from the kernel cache in %.2f s", self, took)
+            return
+        with _compiler.lock:
+            tell, _compiler.told = not _compiler.told, True
+        level = logging.INFO if tell else logging.DEBUG
+        log.log(
+            level,
+            "compiled the host codec kernel %s for %s in %.1f s (kept in %s for later runs)",
+            self.dispatcher.py_func.__name__,
+            ", ".join(sorted({str(t.dtype) for t in sig if hasattr(t, "dtype")})),
+            took,
+            cache_dir(),
+        )
+
+    def _use_cache(self) -> None:
+        path = cache_dir()
+        try:
+            cls = _cache_class(path, source_digest(self._module))
+            self.dispatcher._cache = cls(self.dispatcher.py_func)  # noqa: SLF001 - Numba's cache slot
+        except (OSError, RuntimeError) as exc:  # no writable place: compile every run
+            log.debug("no kernel cache for %s: %s", self, exc)
+        self._cache_on = True

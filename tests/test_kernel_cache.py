@@ -1,0 +1,117 @@
+"""The host codec's kernels: where they are cached, what invalidates the cache, and the
+background compile that a connected process uses (the NumPy reference stands in, with the
+same bytes, until a kernel is compiled)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import numba
+import pytest
+
+from cgx_ucx.compression import kernels
+
+
+def test_cache_dir_precedence(tmp_path: Path) -> None:
+    py = f"py{sys.version_info[0]}.{sys.version_info[1]}"
+    xdg = {"XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    want = tmp_path / "xdg" / "cgx_ucx" / f"numba-{numba.__version__}-{py}"
+    assert kernels.cache_dir(xdg) == want
+    assert kernels.cache_dir({**xdg, "NUMBA_CACHE_DIR": "/n"}) == Path("/n")
+    env = {**xdg, "NUMBA_CACHE_DIR": "/n", "CGX_UCX_KERNEL_CACHE": "/k"}
+    assert kernels.cache_dir(env) == Path("/k")
+    home = kernels.cache_dir({"HOME": str(tmp_path)})
+    assert home.parent.parent == Path(os.path.expanduser("~")) / ".cache"
+
+
+def _module(tmp_path: Path, name: str, source: str) -> types.ModuleType:
+    path = tmp_path / f"{name}.py"
+    path.write_text(textwrap.dedent(source))
+    mod = types.ModuleType(name)
+    mod.__file__ = str(path)
+    exec(compile(path.read_text(), str(path), "exec"), mod.__dict__)
+    return mod
+
+
+def test_source_digest_ignores_docstrings_and_comments_not_code(tmp_path: Path) -> None:
+    base = '''
+        """A module."""
+        SCALE = 3
+
+        def f(x):
+            """Twice."""
+            return x * 2  # doubled
+    '''
+    reworded = '''
+        """Another text."""
+        SCALE = 3
+
+
+        def f(x):
+            """Two times x."""
+            # the product
+            return x * 2
+    '''
+    digest = kernels.source_digest(_module(tmp_path, "a", base))
+    assert kernels.source_digest(_module(tmp_path, "b", reworded)) == digest
+    assert kernels.source_digest(_module(tmp_path, "c", base.replace("* 2", "* 3"))) != digest
+    assert kernels.source_digest(_module(tmp_path, "d", base.replace("= 3", "= 4"))) != digest
+
+
+_BACKGROUND = """
+import json, logging, sys
+import numpy as np
+logging.basicConfig(level=logging.DEBUG, stream=sys.stdout, format="LOG %(message)s")
+from cgx_ucx.compression import cpu, encode, kernels, reference
+kernels.compile_in_background()
+x = np.random.default_rng(0).standard_normal(kernels.COMPILE_AFTER_VALUES // 2)
+x = x.astype(np.float32)
+first = encode(x, 4)
+queued = kernels.wait_compiled(0)  # half the values: nothing queued yet
+second = encode(x, 4)  # the threshold: queued
+done = kernels.wait_compiled(600)
+third = encode(x, 4)  # the kernel
+ref = reference.encode(x, 4)
+print(json.dumps({
+    "same": [bool(np.array_equal(b, ref)) for b in (first, second, third)],
+    "idle_before": queued, "done": done,
+    "signatures": len(cpu._encode_range.dispatcher.signatures),
+    "decode_signatures": len(cpu._decode_range.dispatcher.signatures),
+}))
+"""
+
+
+def _run(cache: Path) -> tuple[dict, str]:
+    import json
+
+    env = {**os.environ, "CGX_UCX_KERNEL_CACHE": str(cache)}
+    env.pop("NUMBA_CACHE_DIR", None)
+    out = subprocess.run(
+        [sys.executable, "-c", _BACKGROUND], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    return json.loads(lines[-1]), "\n".join(lines[:-1])
+
+
+@pytest.mark.timeout(900)
+def test_background_compile_is_bit_identical_and_persists(tmp_path: Path) -> None:
+    cache = tmp_path / "kernels"
+    result, logs = _run(cache)
+    assert result["same"] == [True, True, True]
+    assert result["idle_before"] and result["done"]
+    # Only the signature the calls used: one encode, no decode.
+    assert (result["signatures"], result["decode_signatures"]) == (1, 0)
+    told = [line for line in logs.splitlines() if "compiled the host codec kernel" in line]
+    assert len(told) == 1 and str(cache) in told[0], logs
+    assert any(p.suffix == ".nbi" for p in cache.iterdir())
+    # A second process (another environment of the same user) loads it: no compile.
+    again, logs = _run(cache)
+    assert again["same"] == [True, True, True]
+    assert "compiled the host codec kernel" not in logs
+    assert "loaded from the kernel cache" in logs
