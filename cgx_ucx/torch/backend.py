@@ -22,6 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .communicators import close_communicators, get_communicator
+from .group_order import GroupIdentity
 from .options import CGXOptions
 from .process_group import BACKEND_NAME, ProcessGroupCGX
 
@@ -36,13 +37,16 @@ __all__ = [
 
 
 def _create(dist_opts: Any, pg_options: Any) -> ProcessGroupCGX:
-    """The creator registered with torch (extended API: we get group options)."""
+    """The creator registered with torch (extended API: we get group options, and for a
+    group other than the default one its name and global ranks)."""
+    ranks = tuple(int(r) for r in dist_opts.global_ranks_in_group or ())
     return ProcessGroupCGX(
         dist_opts.store,
         dist_opts.group_rank,
         dist_opts.group_size,
         dist_opts.timeout,
         pg_options,
+        group=GroupIdentity(str(dist_opts.group_id), ranks) if ranks else None,
     )
 
 

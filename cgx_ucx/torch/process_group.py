@@ -57,6 +57,7 @@ from .checks import (
     per_rank,
     single,
 )
+from .group_order import GroupIdentity, check_group_order
 from .options import CGXOptions, comm_config
 from .protocols import Communicator, Store
 from .startup import connect, warm_torch_path
@@ -119,6 +120,7 @@ class ProcessGroupCGX(dist.ProcessGroup):
         options: CGXOptions | None = None,
         *,
         communicator: Communicator | None = None,
+        group: GroupIdentity | None = None,
     ) -> None:
         # The (store, rank, size) constructor refuses Python subclasses in torch 2.13.
         super().__init__(rank, size)
@@ -138,6 +140,10 @@ class ProcessGroupCGX(dist.ProcessGroup):
         self._group_name = ""
         self._group_desc = ""
         self._closed = False
+        if communicator is None and group is not None:
+            # Before the connect, which would wait out its timeout for peers that made
+            # another group under this name.
+            check_group_order(store, group, rank, self._comm_config.connect_timeout)
         self._comm = (
             communicator
             if communicator is not None
