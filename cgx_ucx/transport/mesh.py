@@ -186,6 +186,9 @@ class Mesh(MeshSetup, MeshExchange):
                 with contextlib.suppress(Exception):
                     fut.result()[0].abort(period=ABORT_PERIOD_NS)
             fut.cancel()
+        # An aborted ucxx endpoint keeps its UCX endpoint, and through it the listener
+        # it came from, until the Python object goes: hold none past the close.
+        self._accepted = {}
         settled = await self._settle_listener(park=dialers)
         # Let UCX run the callbacks of what was just cancelled before the context goes.
         await asyncio.sleep(0)
