@@ -5,7 +5,10 @@ higher ones, each connection proving membership, :mod:`.handshake`), the data ch
 A rank whose connect fails publishes why in the store, and every other rank's set-up
 steps race that news, so every rank names the culprit within ~0.1 s of the first failure
 rather than waiting out its own dial and blaming a healthy rank; each step is bounded by
-what is left of ``connect_timeout``.
+what is left of ``connect_timeout``. A wait that runs out, or a dial that fails, names the
+rank at fault from the liveness marks every connecting rank keeps in the store
+(:mod:`.liveness`): one that died or stopped after publishing, or the pair whose dial got
+no answer, with the address dialed.
 """
 
 from __future__ import annotations
@@ -19,10 +22,12 @@ from typing import Any
 from ..errors import ConfigError, ProtocolError, RendezvousError
 from . import handshake as _hs
 from . import levels as _levels
+from . import liveness as _live
 from . import progress as _progress
 from . import stuck as _stuck
 from . import ucx as _ucx
 from .control import MeshControl
+from .liveness import Phase
 from .rendezvous import PeerAddress, Rendezvous, node_id
 from .topology import NodeHints, Topology
 from .ucx import ABORT_PERIOD_NS
@@ -63,6 +68,10 @@ class MeshSetup(MeshControl):
         self._accepted = {r: self._loop.create_future() for r in self.peers if r > self.rank}
         for f in self._accepted.values():
             f.add_done_callback(_consume)
+        # What this rank's liveness mark says (.liveness): the phase, the ranks waited for.
+        self._phase, self._waiting = Phase.ADDRESSES, frozenset(self.peers)
+        self._dialing: frozenset[int] = frozenset()
+        rdzv.state = self._connect_state
         if self.world_size > 1:
             self._listener = ucxx.create_listener(
                 self._on_accept, port=0, connect_timeout=self.config.connect_timeout
@@ -83,6 +92,7 @@ class MeshSetup(MeshControl):
             addresses[_levels.ADDRESS_NET_ONLY],
             hints.pack(),
         )
+        self._addresses = {self.rank: addr}
         await rdzv.publish(addr)
         if self.world_size == 1:
             return
@@ -90,6 +100,8 @@ class MeshSetup(MeshControl):
         resolved: dict[str, frozenset[str]] = {}
         for r in self.peers:
             peers[r] = await rdzv.peer(r)
+            self._addresses[r] = peers[r]
+            self._waiting -= {r}
             self._published.add(r)
             host = peers[r].host
             if host not in resolved:
@@ -100,18 +112,24 @@ class MeshSetup(MeshControl):
             [self.rank, *(r for r, a in peers.items() if a.node == addr.node)]
         )
         self.topology = _topology_of(self.rank, hints, peers)
+        await self._same_node_processes(rdzv, addr.node)
         # Control channel: each rank dials the lower ranks and accepts the higher ones.
+        self._dialing = self._waiting = frozenset(r for r in self.peers if r < self.rank)
+        self._phase = Phase.DIALING
         await self._setup(
             rdzv, [self._dial(r, peers[r], rdzv) for r in self.peers if r < self.rank]
         )
+        self._phase = Phase.ACCEPTING
         for r, fut in self._accepted.items():
             try:
                 self.peers[r].ctrl, self.peers[r].keys = await rdzv.race(
                     asyncio.shield(fut), _hs.remaining(rdzv.deadline)
                 )
             except TimeoutError:
+                waiting = [q for q, f in self._accepted.items() if not f.done()]
                 raise RendezvousError(
-                    f"rank {self.rank}: rank {r} did not connect within the connect "
+                    await self._blame(rdzv, waiting)
+                    or f"rank {self.rank}: rank {r} did not connect within the connect "
                     f"timeout ({self.config.connect_timeout:g} s)"
                 ) from None
         # Data channel: worker-address endpoints, per level (.levels): node-local peers on
@@ -132,11 +150,10 @@ class MeshSetup(MeshControl):
                     f"on its {kind} worker address: {exc}; across nodes UCX needs a network "
                     "device both hosts share (check UCX_NET_DEVICES / UCX_TLS)"
                 ) from exc
-        hellos = [
-            _hs.data_hello(p.data, self.auth, self.rank, r, p.keys)  # type: ignore[arg-type]
-            for r, p in self.peers.items()
-        ]
+        self._phase, self._waiting = Phase.DATA, frozenset(self.peers)
+        hellos = [self._data_hello(r) for r in self.peers]
         await self._setup(rdzv, hellos, "data-channel membership handshake", cancellable=True)
+        self._phase, self._waiting = Phase.DONE, frozenset()
         self._record_transports()
         for p in self.peers.values():
             p.ctrl.set_close_callback(self._on_ctrl_closed, cb_args=(p.rank,))
@@ -150,6 +167,38 @@ class MeshSetup(MeshControl):
             host,
             port,
         )
+
+    async def _data_hello(self, r: int) -> None:
+        p = self.peers[r]
+        await _hs.data_hello(p.data, self.auth, self.rank, r, p.keys)  # type: ignore[arg-type]
+        self._waiting -= {r}
+
+    def _connect_state(self) -> tuple[int, tuple[int, ...]]:
+        """The phase of this connect and the ranks still waited for there (the liveness
+        mark's; read on the store thread, so only immutable snapshots are read)."""
+        phase, waiting = self._phase, self._waiting
+        if phase == Phase.DIALING and not self._dialing:
+            phase = Phase.HANDSHAKE
+        elif phase == Phase.ACCEPTING:
+            waiting = frozenset(r for r, f in list(self._accepted.items()) if not f.done())
+        return phase, tuple(sorted(self._dialing if phase == Phase.DIALING else waiting))
+
+    async def _blame(self, rdzv: Rendezvous, waiting_on: list[int]) -> str | None:
+        """Who holds this connect up, from the liveness marks in the store (.liveness):
+        a sentence naming the rank at fault, or None when the marks do not tell."""
+        where = {r: f"{a.host}:{a.port}" for r, a in self._addresses.items()}
+        return await _live.blame(
+            rdzv.mark, self.rank, waiting_on, where, node_id(), self.config.connect_timeout
+        )
+
+    async def _same_node_processes(self, rdzv: Rendezvous, node: str) -> None:
+        """Keep the process of each peer on this machine (from its liveness mark): a peer
+        that stops answering later is then told apart from one cut off (.liveness)."""
+        for r, a in self._addresses.items():
+            if r != self.rank and a.node == node:
+                mark = await rdzv.mark(r)
+                if mark is not None and mark.proc.local_to(node):
+                    self.peers[r].process = mark.proc
 
     def _record_transports(self) -> None:
         """Name the lanes UCX gave each data endpoint (final after the data HELLO): in
@@ -199,7 +248,8 @@ class MeshSetup(MeshControl):
             await rdzv.race(asyncio.shield(first_error), _hs.remaining(rdzv.deadline))
         except TimeoutError:
             raise RendezvousError(
-                f"rank {self.rank}: {what or 'connecting'} did not finish within the "
+                await self._blame(rdzv, list(self._connect_state()[1]))
+                or f"rank {self.rank}: {what or 'connecting'} did not finish within the "
                 f"connect timeout ({self.config.connect_timeout:g} s)"
             ) from None
         finally:
@@ -207,7 +257,7 @@ class MeshSetup(MeshControl):
 
     async def _dial(self, r: int, addr: PeerAddress, rdzv: Rendezvous) -> None:
         deadline = rdzv.deadline
-        where = f"rank {r} at {addr.host}:{addr.port}"
+        where = f"rank {r} at {addr.host}:{addr.port} (published by rank {r})"
         try:
             # Resolve first: UCX's own failure on a bad name leaves a half-made endpoint
             # whose collection at UCX reset crashes the process (SIGSEGV).
@@ -227,18 +277,29 @@ class MeshSetup(MeshControl):
             ep = await self._ucxx.create_endpoint(
                 addr.host, addr.port, connect_timeout=_hs.remaining(deadline)
             )
-        except (TimeoutError, *_ucx.errors()) as exc:
+        except TimeoutError as exc:
             raise RendezvousError(
-                f"rank {self.rank}: cannot connect to {where}: {exc or type(exc).__name__}"
+                await self._peer_lost(rdzv, r, addr)
+                or f"rank {self.rank} could not reach {where}: no answer within "
+                f"{self.config.connect_timeout:g} s"
             ) from exc
+        except _ucx.errors() as exc:
+            lost = await self._peer_lost(rdzv, r, addr)
+            text = f"cannot connect to {where}: {exc or type(exc).__name__}"
+            raise RendezvousError(
+                f"{lost} (rank {self.rank} {text})" if lost else f"rank {self.rank}: {text}"
+            ) from exc
+        self._dialing -= {r}
         try:
             keys = await asyncio.wait_for(
                 _hs.dial(ep, self.auth, self.rank, r), _hs.remaining(deadline)
             )
         except (TimeoutError, ProtocolError, *_ucx.errors()) as exc:
             ep.abort(period=ABORT_PERIOD_NS)
+            lost = await self._peer_lost(rdzv, r, addr)
             raise RendezvousError(
-                f"rank {self.rank}: rank {r} did not complete the membership handshake: "
+                lost
+                or f"rank {self.rank}: rank {r} did not complete the membership handshake: "
                 f"{exc or type(exc).__name__}"
             ) from exc
         except BaseException:
@@ -246,6 +307,16 @@ class MeshSetup(MeshControl):
                 ep.abort(period=ABORT_PERIOD_NS)
             raise
         self.peers[r].ctrl, self.peers[r].keys = ep, keys
+        self._waiting -= {r}
+
+    async def _peer_lost(self, rdzv: Rendezvous, r: int, addr: PeerAddress) -> str | None:
+        """The sentence naming rank ``r`` as dead or stopped after it published ``addr``,
+        or None when its liveness mark does not say so (.liveness)."""
+        mark = await rdzv.mark(r)
+        verdict = mark.verdict(node_id()) if mark is not None else None
+        if mark is None or verdict is None:
+            return None
+        return _live.lost_text(r, mark, verdict, f"{addr.host}:{addr.port}")
 
     async def _on_accept(self, ep: Any) -> None:
         """Listener callback: the connection must prove membership before it is used."""

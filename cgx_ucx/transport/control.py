@@ -12,6 +12,7 @@ import numpy as np
 from ..errors import CGXError, CGXTimeoutError, PeerLostError, ProtocolError
 from . import ucx as _ucx
 from .frames import FRAME_NBYTES, AbortCode, Frame, Kind
+from .liveness import process_state
 from .peer import Peer
 from .progress import post_recv, post_send
 from .state import MeshState
@@ -211,6 +212,9 @@ class MeshControl(MeshState):
 
     async def _timed_out(self, rank: int, what: str) -> CGXError:
         status = await self.peer_status(rank, min(STATUS_WAIT_S, self.config.timeout))
+        proc = self.peers[rank].process
+        if not status.answered and not status.gone and proc is not None:
+            status.process, status.pid = process_state(proc) or "", proc.pid
         exc = CGXTimeoutError(
             f"rank {self.rank}: rank {rank} did not complete {what} within "
             f"{self.config.timeout:g} s: {status.describe()}",

@@ -7,6 +7,7 @@ from typing import Any
 
 from ..errors import CGXError
 from .handshake import PairKeys
+from .liveness import ProcessId
 
 __all__ = ["Peer"]
 
@@ -26,6 +27,7 @@ class Peer:
         "hosts",
         "keys",
         "lost",
+        "process",
         "rank",
         "status",
     )
@@ -37,6 +39,8 @@ class Peer:
         #: The IP addresses of the host it published (its listener's): where our
         #: connections to it go (resolved at connect, for .stuck).
         self.hosts: frozenset[str] = frozenset()
+        #: Its process, when it runs on this machine in our PID namespace (.liveness).
+        self.process: ProcessId | None = None
         self.keys: PairKeys | None = None
         self.ctrl_task: asyncio.Task | None = None
         self.lost: CGXError | None = None

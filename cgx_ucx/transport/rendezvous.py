@@ -34,6 +34,7 @@ from contextlib import suppress
 from typing import Any, Protocol
 
 from ..errors import ConfigError, PeerFailedError, RendezvousError
+from .liveness import MARK_PERIOD_S, LivenessMark, Phase, ProcessId
 from .topology import MAX_HINTS_NBYTES
 
 __all__ = [
@@ -68,6 +69,8 @@ POLL_MIN_S = 0.001
 POLL_MAX_S = 0.1
 #: Bound on publishing a failure (a TCPStore set takes milliseconds; the store may be gone).
 FAILURE_PUBLISH_S = 5.0
+#: Bound on reading one liveness mark to explain a failure (after the connect deadline).
+MARK_READ_S = 1.0
 #: Counter (in the innermost store) that numbers every communicator of the job.
 COMM_ID_KEY = "cgx_ucx/communicators"
 #: How many PrefixStore layers are unwrapped (torch nests one per process group /
@@ -76,9 +79,10 @@ MAX_STORE_NESTING = 32
 
 
 def with_rank(rank: int, text: str) -> str:
-    """``"rank N: text"``, unless ``text`` already starts so (no "rank 0: rank 0: ...")."""
+    """``"rank N: text"``, unless ``text`` already starts with ``"rank N:"`` or names rank N
+    as its subject (no "rank 0: rank 0: ...", no "rank 2: rank 2 could not reach ...")."""
     prefix = f"rank {rank}: "
-    return text if text.startswith(prefix) else prefix + text
+    return text if text.startswith((prefix, f"rank {rank} ")) else prefix + text
 
 
 def root_store(store: Any) -> Any:
@@ -274,6 +278,11 @@ class Rendezvous:
         self.generation = -1
         self._stop_watch = False
         self._watch: asyncio.Future | None = None
+        #: This rank's liveness mark (:mod:`.liveness`): its process, and ``state``, set
+        #: by the connecting mesh, says the phase and the ranks still waited for there.
+        self.process = ProcessId.own(node_id())
+        self.state: Any = None
+        self._marked = -MARK_PERIOD_S  # time.monotonic() of the last mark written
 
     def close(self, wait: bool = True) -> None:
         """Stop the store thread (``wait=False`` on error paths, where a store call may
@@ -334,6 +343,7 @@ class Rendezvous:
                 return self.store.get(key)
             pause = POLL_MIN_S
             while not self.store.check([key]):
+                self._beat()
                 self._raise_if_failed(fail_key)
                 left = self._remaining()
                 time.sleep(min(pause, left))
@@ -351,6 +361,41 @@ class Rendezvous:
                 ) from exc
             raise
         return bytes(value) if not isinstance(value, bytes) else value
+
+    def _write_mark(self) -> None:
+        phase, pending = self.state() if self.state is not None else (Phase.ADDRESSES, ())
+        mark = LivenessMark(time.time(), self.process, phase, tuple(pending))
+        self.store.set(self._key(f"alive/{self.rank}"), mark.pack())
+        self._marked = time.monotonic()
+
+    def _beat(self) -> None:
+        """Rewrite this rank's liveness mark when MARK_PERIOD_S has passed (store thread)."""
+        if self.generation >= 0 and time.monotonic() - self._marked >= MARK_PERIOD_S:
+            with suppress(Exception):  # the mark only explains; the waits report the store
+                self._write_mark()
+
+    def _tick(self, fail_key: str) -> None:
+        self._beat()
+        self._raise_if_failed(fail_key)
+
+    async def mark(self, rank: int) -> LivenessMark | None:
+        """``rank``'s liveness mark, None when there is none or the store does not answer
+        within MARK_READ_S (usable after the connect deadline, to explain a failure)."""
+        key = self._key(f"alive/{rank}")
+
+        def read() -> bytes | None:
+            check = getattr(self.store, "check", None)
+            if callable(check) and not check([key]):
+                return None
+            return bytes(self.store.get(key))
+
+        try:
+            raw = await asyncio.wait_for(
+                asyncio.get_running_loop().run_in_executor(self._pool, read), MARK_READ_S
+            )
+        except Exception:
+            return None
+        return LivenessMark.unpack(raw) if raw is not None else None
 
     def _raise_if_failed(self, fail_key: str) -> None:
         if self.store.check([fail_key]):
@@ -371,7 +416,7 @@ class Rendezvous:
         # the inner future's completion, and this task is cancelled on every connect.
         while not self._stop_watch and time.monotonic() < self.deadline:
             try:
-                await loop.run_in_executor(self._pool, self._raise_if_failed, fail_key)
+                await loop.run_in_executor(self._pool, self._tick, fail_key)
             except PeerFailedError as exc:
                 return str(exc)
             except Exception:  # the store failed: the waits report that themselves
@@ -470,6 +515,9 @@ class Rendezvous:
         return (await self.credentials())[0]
 
     async def publish(self, address: PeerAddress) -> None:
+        """Publish ``address``, after this rank's first liveness mark (so a rank that reads
+        the address finds the mark)."""
+        await self._call(self._write_mark)
         await self._call(self.store.set, self._key(f"addr/{self.rank}"), address.pack())
 
     async def peer(self, rank: int) -> PeerAddress:

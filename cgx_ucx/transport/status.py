@@ -106,6 +106,10 @@ class PeerStatus:
     started_seq: int = 0
     finished_seq: int | None = None
     what: str = ""
+    #: Its process as this machine sees it, when it runs here (.liveness.process_state):
+    #: "running", "stopped" or "gone"; "" when unknown. ``pid``: that process.
+    process: str = ""
+    pid: int = 0
 
     @classmethod
     def from_frame(cls, frame: Frame, what: str) -> PeerStatus:
@@ -124,10 +128,20 @@ class PeerStatus:
         if self.gone:
             return f"rank {r} is gone"
         if not self.answered:
-            return (
-                f"rank {r} is connected but did not answer a status request within "
-                f"{STATUS_WAIT_S:g} s (busy outside its event loop, or cut off)"
-            )
+            asked = f"did not answer a status request within {STATUS_WAIT_S:g} s"
+            if self.process == "stopped":
+                return (
+                    f"rank {r} is alive at the host level but not answering: its process "
+                    f"{self.pid} is stopped (SIGSTOP or a debugger) and {asked}"
+                )
+            if self.process == "gone":
+                return f"rank {r} is gone: its process {self.pid} exited, and {asked}"
+            if self.process == "running":
+                return (
+                    f"rank {r} is connected but {asked}; its process {self.pid} is running "
+                    "(busy outside its event loop)"
+                )
+            return f"rank {r} is connected but {asked} (busy outside its event loop, or cut off)"
         if self.started_seq == 0:
             waits = f" ({self.what})" if self.what else ""  # point-to-point waits only
             return f"rank {r} is alive and has not started any collective{waits}"

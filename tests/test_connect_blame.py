@@ -1,0 +1,227 @@
+"""Connect failures name the rank at fault on every rank: a published address that does
+not answer, a rank that died after publishing, and a peer stopped after connecting
+(SIGSTOP), each with three ranks and a short connect timeout. See docs/failures.md."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+from harness import MESSAGES_ONLY, run_ranks
+
+from cgx_ucx.collectives import connect
+from cgx_ucx.config import CommConfig
+from cgx_ucx.errors import CGXError
+
+#: Connect timeout of these tests: short, and long enough for three ranks to connect on a
+#: loaded two-core machine.
+CONNECT_TIMEOUT = 8.0
+#: What every survivor may take beyond the connect timeout to raise its error.
+REPORT_SLACK_S = 2.0
+#: Connections a black-hole listener holds unaccepted: its accept queue (backlog 0) is
+#: then full, and Linux drops further SYNs, so a dial to it gets no answer at all.
+BLACK_HOLE_FILL = 3
+
+
+@contextlib.contextmanager
+def black_hole():
+    """A loopback (host, port) whose SYNs are dropped: a dial to it neither connects nor is
+    refused, like an address that does not route."""
+    with contextlib.ExitStack() as stack:
+        listener = stack.enter_context(socket.socket())
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        for _ in range(BLACK_HOLE_FILL):
+            s = stack.enter_context(socket.socket())
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", port))
+        time.sleep(0.1)
+        yield "127.0.0.1", port
+
+
+def publish_instead(host, port):
+    """Make this process publish ``host:port`` as its listener's address (its listener
+    stays where it is): an address override for the dialers."""
+    from cgx_ucx.transport import connection
+
+    class Override(connection.PeerAddress):
+        def __init__(self, _host, _port, *args, **kwargs):
+            super().__init__(host, port, *args, **kwargs)
+
+    connection.PeerAddress = Override
+
+
+async def publishes(ctx, culprit, host, die):
+    """``culprit`` publishes ``host`` (or dies right after publishing, ``die``); every
+    rank reports (error type, text, seconds)."""
+    cfg = CommConfig(timeout=20.0, connect_timeout=CONNECT_TIMEOUT)
+    if host is not None and ctx.rank == culprit:
+        publish_instead(*host)
+    start = time.monotonic()
+    task = asyncio.ensure_future(connect(ctx.store, ctx.rank, ctx.world_size, config=cfg))
+    if die and ctx.rank == culprit:
+        while not ctx.store.check([f"cgx/0/addr/{culprit}"]) and not task.done():
+            await asyncio.sleep(0.001)
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        comm = await task
+    except CGXError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    await comm.close()
+    return "connected", "", time.monotonic() - start
+
+
+def _report(results, what):
+    for r in results:
+        print(f"{what}: rank {r.rank}: {r.value if r.ok else r}")
+
+
+@pytest.mark.timeout(90)
+def test_a_published_address_that_does_not_answer_is_named_by_every_rank():
+    with black_hole() as (host, port):
+        results = run_ranks(publishes, 3, args=(1, (host, port), False), timeout=60, check=False)
+    _report(results, f"rank 1 publishes {host}:{port}")
+    for r in results:
+        assert r.ok, r.traceback
+        kind, text, elapsed = r.value
+        assert kind in ("RendezvousError", "PeerFailedError"), r.value
+        assert f"rank 2 could not reach rank 1 at {host}:{port} (published by rank 1)" in text
+        assert f"no answer within {CONNECT_TIMEOUT:g} s" in text, r.value
+        assert elapsed < CONNECT_TIMEOUT + REPORT_SLACK_S, r.value
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_that_dies_after_publishing_is_named_by_every_survivor():
+    results = run_ranks(publishes, 3, args=(1, None, True), timeout=60, check=False)
+    _report(results, "rank 1 dies after publishing")
+    assert results[1].exitcode == -signal.SIGKILL
+    for r in (results[0], results[2]):
+        assert r.ok, r.traceback
+        kind, text, elapsed = r.value
+        assert kind in ("RendezvousError", "PeerFailedError", "PeerLostError"), r.value
+        assert "rank 1 died after publishing" in text or "rank 1 is gone" in text, r.value
+        assert elapsed < CONNECT_TIMEOUT + REPORT_SLACK_S, r.value
+
+
+# ------------------------------------------------------------------ a stopped peer
+
+#: Per-wait timeout of the stopped-peer ranks.
+STOP_TIMEOUT = 2.0
+#: close() of a survivor: the bounded 1 s wait for BYEs (the stopped peer sends none) and
+#: the UCX teardown, with room for a loaded machine; a peer that blocks the teardown
+#: would hold it for minutes.
+STOP_CLOSE_LIMIT = 5.0
+#: From close() returning to the process being gone, as tests/test_chaos.py bounds it:
+#: Python's own finalization takes seconds on a loaded machine; this catches a hang.
+STOP_EXIT_LIMIT = 15.0
+
+# One rank of the stopped-peer test (a separate process, so its exit can be timed).
+_STOP_RANK = """
+import asyncio, json, os, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+from harness import DirStore
+from cgx_ucx.collectives import connect
+from cgx_ucx.compression import cpu
+from cgx_ucx.config import CommConfig
+from cgx_ucx.errors import CGXError
+
+async def main():
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store, victim = DirStore(sys.argv[2]), int(sys.argv[3])
+    cpu.warmup()
+    cfg = CommConfig(timeout=float(sys.argv[4]), connect_timeout=40.0)
+    comm = await connect(store, rank, world, config=cfg, data_error_handling=sys.argv[5] == "1")
+    x = np.ones(1 << 18, np.float32)
+    for _ in range(3):
+        await comm.allreduce(x, bits=4)
+    await comm.barrier()
+    if rank == victim:
+        print("STOPPING", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    out = {"rank": rank, "error": None}
+    t0 = time.time()
+    try:
+        while time.time() < t0 + 30:
+            await comm.allreduce(x, bits=4)
+    except CGXError as exc:
+        out.update(t_error=time.time(), error=type(exc).__name__, text=str(exc))
+        out.update(peer=getattr(exc, "peer", None), alive=getattr(exc, "alive", "n/a"))
+    start = time.time()
+    await comm.close()
+    out["t_closed"] = time.time()
+    out["close_s"] = out["t_closed"] - start
+    print(json.dumps(out), flush=True)
+
+asyncio.run(main())
+"""
+
+
+def _stopped_peer_run(world: int, victim: int, data_error_handling: bool):
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    with tempfile.TemporaryDirectory(prefix="cgx-stop-") as store_dir:
+        argv = [sys.executable, "-c", _STOP_RANK, tests_dir, store_dir, str(victim)]
+        argv += [str(STOP_TIMEOUT), "1" if data_error_handling else "0"]
+        env = dict(os.environ, WORLD_SIZE=str(world), **MESSAGES_ONLY)
+        procs = [
+            subprocess.Popen(argv, env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, text=True)
+            for r in range(world)
+        ]
+        try:
+            assert procs[victim].stdout.readline().strip() == "STOPPING"
+            t_stop = time.time()
+            exits = {}
+            deadline = time.monotonic() + STOP_TIMEOUT + 60
+            while len(exits) < world - 1 and time.monotonic() < deadline:
+                for r, p in enumerate(procs):
+                    if r != victim and r not in exits and p.poll() is not None:
+                        exits[r] = time.time()
+                time.sleep(0.01)
+            outs = {r: procs[r].stdout.read() for r in exits}
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait(10)
+    hung = [r for r in range(world) if r != victim and r not in exits]
+    assert not hung, f"ranks {hung} did not exit while rank {victim} was stopped"
+    results = {}
+    for r, text in outs.items():
+        lines = [ln for ln in text.splitlines() if ln.startswith("{")]
+        assert lines, f"rank {r} printed no result: {text}"
+        results[r] = json.loads(lines[-1])
+    return t_stop, results, exits
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("data_error_handling", [True, False], ids=["default", "cma"])
+def test_a_stopped_peer_is_named_and_every_survivor_exits(data_error_handling):
+    """A peer stopped by SIGSTOP (its host still answers) is named by every survivor as
+    alive at the host level but not answering, within the timeout + 2 s; every survivor
+    closes and exits without waiting for it, whatever the data endpoints' error handling."""
+    world, victim = 3, 1
+    t_stop, results, exits = _stopped_peer_run(world, victim, data_error_handling)
+    for r, res in sorted(results.items()):
+        print(
+            f"stopped peer, data_error_handling={data_error_handling}: rank {r}: "
+            f"{res['error']} after {res.get('t_error', 0) - t_stop:.2f} s, close "
+            f"{res['close_s']:.2f} s, exit {exits[r] - res['t_closed']:.2f} s after close, "
+            f"load {os.getloadavg()[0]:.1f}: {res.get('text')}"
+        )
+    for r, res in results.items():
+        assert res["error"] == "CGXTimeoutError", res
+        assert res["peer"] == victim or f"rank {victim} is alive at the host level" in res["text"]
+        assert f"rank {victim} is alive at the host level but not answering" in res["text"], res
+        assert res["t_error"] - t_stop < STOP_TIMEOUT + 1.0 + REPORT_SLACK_S, res
+        assert res["close_s"] < STOP_CLOSE_LIMIT, res
+        assert exits[r] - res["t_closed"] < STOP_EXIT_LIMIT, res
