@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("torchft")
 
-from harness import RankContext, run_ranks
+from harness import MESSAGES_ONLY, RankContext, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -131,6 +131,47 @@ def test_abort_fails_allreduce_in_flight_within_a_second() -> None:
     assert report["after"] == "ProcessGroupAbortedError"
     assert report["alone"] == [3.0, 3.0]
     assert report["errored_after_configure"] is None
+
+
+# -- compression per call ------------------------------------------------------------------
+def _per_call(ctx: RankContext) -> dict[str, object]:
+    import hashlib
+
+    import torch
+    import torch.distributed as dist
+
+    from cgx_ucx.torchft import ProcessGroupCGX
+
+    server, addr = _store(ctx)
+    pg = ProcessGroupCGX()  # no compression in code, none in the environment: exact
+    _configure(pg, addr, 0, ctx.rank, 2)
+    stats = pg.group.communicator  # type: ignore[union-attr]
+    base = torch.linspace(-1.0, 1.0, 1 << 16) * (ctx.rank + 1)
+
+    def run() -> tuple[int, str]:
+        x = base.clone()
+        before = stats.stats.bytes_sent
+        pg.allreduce([x], dist.AllreduceOptions()).wait()
+        digest = hashlib.sha256(x.numpy().tobytes()).hexdigest()
+        return stats.stats.bytes_sent - before, digest
+
+    exact, exact_digest = run()
+    with pg.compressed(bits=2):
+        two, two_digest = run()
+    again, _ = run()
+    pg.shutdown()
+    del server
+    return {"exact": exact, "two": two, "again": again, "digest": two_digest, "d32": exact_digest}
+
+
+def test_compression_per_call() -> None:
+    """``with pg.compressed(bits=2)`` quantizes the calls inside the block only; the
+    quantized result is the same on both ranks."""
+    a, b = run_ranks(_per_call, 2, timeout=60, env=MESSAGES_ONLY)
+    assert a["two"] * 8 < a["exact"], a
+    assert a["again"] == a["exact"], a
+    assert a["digest"] == b["digest"] and a["d32"] == b["d32"]
+    assert a["digest"] != a["d32"]
 
 
 # -- many reconfigurations --------------------------------------------------------------------

@@ -53,6 +53,28 @@ class Lighthouse:
         self._server.shutdown()
 
 
+def serve_lighthouse(argv: Sequence[str] | None = None) -> int:
+    """``python -m cgx_ucx.bench.ft_jobs --port P``: a Lighthouse in its own process (in a
+    network namespace of the benchmark); prints ``ready`` and serves until killed."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m cgx_ucx.bench.ft_jobs")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--min-replicas", type=int, default=1)
+    p.add_argument("--join-timeout-ms", type=int, default=1000)
+    p.add_argument("--heartbeat-timeout-ms", type=int, default=1000)
+    args = p.parse_args(argv)
+    server = Lighthouse(
+        min_replicas=args.min_replicas,
+        join_timeout_ms=args.join_timeout_ms,
+        heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+        bind=f"[::]:{args.port}",
+    )
+    print("ready", server.address, flush=True)
+    while True:  # the server lives as long as this reference
+        time.sleep(3600)
+
+
 def read_reports(out: Path | str, replica: int) -> list[dict[str, Any]]:
     """The JSON lines replica group ``replica`` wrote (all its incarnations), in order."""
     path = Path(out) / f"replica{replica}.jsonl"
@@ -76,12 +98,15 @@ class FtJob:
     lighthouse: str
     out: Path
     args: Sequence[str]
-    env: dict[str, str] = field(default_factory=dict)
+    env: Callable[[int], dict[str, str]] = lambda replica: {}
     prefix: Callable[[int], list[str]] = lambda replica: []
     host: Callable[[int], str] = lambda replica: "127.0.0.1"
     procs: dict[int, subprocess.Popen] = field(default_factory=dict)
+    #: Replica groups told to SIGKILL themselves (their death is not a failure).
+    dying: set[int] = field(default_factory=set)
 
-    def start(self, replica: int) -> None:
+    def start(self, replica: int, extra: Sequence[str] = ()) -> None:
+        """Start replica group ``replica`` (``extra``: more worker arguments)."""
         cmd = [
             *self.prefix(replica),
             sys.executable,
@@ -94,14 +119,49 @@ class FtJob:
             self.lighthouse,
             "--host",
             self.host(replica),
+            "--hostname",
+            self.host(replica),
             "--out",
             str(self.out),
+            *extra,
         ]
         log = open(Path(self.out) / f"replica{replica}.log", "a")  # noqa: SIM115
         with log:
             self.procs[replica] = subprocess.Popen(
-                cmd, env={**os.environ, **self.env}, stdout=log, stderr=subprocess.STDOUT
+                cmd, env={**os.environ, **self.env(replica)}, stdout=log, stderr=subprocess.STDOUT
             )
+
+    def start_together(self, replicas: Sequence[int], timeout: float, die: dict[int, int]) -> None:
+        """Start ``replicas`` and let them train once every one is ready (imports done,
+        model built), so the first quorum holds them all. ``die``: replica -> the step at
+        which it SIGKILLs itself."""
+        go = Path(self.out) / "go"
+        go.unlink(missing_ok=True)
+        self.dying |= set(die)
+        for r in replicas:
+            extra = ["--wait-go", *(["--die-at", str(die[r])] if r in die else [])]
+            self.start(r, extra)
+
+        def ready() -> bool:
+            return all(
+                any(row.get("event") == "ready" for row in read_reports(self.out, r))
+                for r in replicas
+            )
+
+        self.wait_for(ready, timeout, "every replica group ready")
+        go.touch()
+
+    def died(self, replica: int) -> float | None:
+        """When replica group ``replica`` was killed (its last report; None: it runs)."""
+        proc = self.procs[replica]
+        if proc.poll() is None:
+            return None
+        if proc.returncode != -signal.SIGKILL:
+            raise RuntimeError(f"replica group {replica} exited with {proc.returncode}")
+        rows = read_reports(self.out, replica)
+        self.procs.pop(replica)
+        self.dying.discard(replica)
+        return rows[-1]["t"] if rows else time.time()
 
     def kill(self, replica: int) -> float:
         """SIGKILL replica group ``replica``; returns the time of the kill."""
@@ -121,7 +181,12 @@ class FtJob:
         while not ready():
             if time.monotonic() > end:
                 raise TimeoutError(f"torchft job: {what} within {timeout:g} s")
-            dead = [r for r, p in self.procs.items() if p.poll() not in (None, 0)]
+            dead = [
+                r
+                for r, p in self.procs.items()
+                if p.poll() not in (None, 0)
+                and not (r in self.dying and p.returncode == -signal.SIGKILL)
+            ]
             if dead:
                 codes = {r: self.procs[r].returncode for r in dead}
                 raise RuntimeError(
@@ -151,3 +216,7 @@ class FtJob:
         if not path.exists():
             return ""
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+if __name__ == "__main__":
+    raise SystemExit(serve_lighthouse())

@@ -22,6 +22,8 @@ import argparse
 import hashlib
 import json
 import os
+import signal
+import socket
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -57,7 +59,11 @@ def _parser() -> argparse.ArgumentParser:
         help="after --steps, go on until this many replica groups share a step",
     )
     p.add_argument("--host", default="127.0.0.1", help="address of this group's store")
+    p.add_argument("--hostname", default=None, help="address peers dial for this group's Manager")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--step-delay", type=float, default=0.0, help="sleep per step (s)")
+    p.add_argument("--die-at", type=int, default=None, help="SIGKILL itself at this step")
+    p.add_argument("--wait-go", action="store_true", help="start training once OUT/go exists")
     p.add_argument("--out", required=True, help="folder of the JSON-lines reports")
     return p
 
@@ -125,6 +131,22 @@ def _process_group(args: argparse.Namespace) -> Any:
     return ProcessGroupCGX(timeout=timeout, bits=args.bits)
 
 
+def _checkpoint_transport(hostname: str | None, timeout: timedelta) -> Any:
+    """torchft's HTTP checkpoint transport, advertising ``hostname`` when given: in a
+    network namespace the machine's hostname names each namespace's own address."""
+    from torchft.checkpointing import HTTPTransport
+
+    if not hostname:
+        return None
+
+    class _Transport(HTTPTransport):
+        def address(self) -> str:
+            own = f"//{socket.gethostname()}:"
+            return super().address().replace(own, f"//{hostname}:", 1)
+
+    return _Transport(timeout=timeout, num_chunks=0)
+
+
 def _sent(pg: Any) -> int | None:
     group = getattr(pg, "group", None)
     if group is None:
@@ -134,13 +156,13 @@ def _sent(pg: Any) -> int | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     import torch
     import torch.distributed as dist
     from torchft import Manager
     from torchft.optim import OptimizerWrapper
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
     report = open(os.path.join(args.out, f"replica{args.replica_id}.jsonl"), "a")  # noqa: SIM115
 
@@ -151,6 +173,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     emit(event="start", t=time.time())
     task = _Task(args.seed)
     model = _model(args.hidden, args.seed)
+    emit(event="ready", t=time.time())
+    while args.wait_go and not os.path.exists(os.path.join(args.out, "go")):
+        time.sleep(0.02)
     pg = _process_group(args)
     store = dist.TCPStore(args.host, 0, is_master=True, wait_for_workers=False)
     diloco = args.mode == "diloco"
@@ -176,9 +201,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         world_size=1,
         lighthouse_addr=args.lighthouse,
         use_async_quorum=not diloco,
+        # Every group starts from the same seeded model: no transfer at step 0.
+        init_sync=False,
         timeout=timedelta(seconds=args.timeout),
         quorum_timeout=timedelta(seconds=max(args.timeout, 60.0)),
         connect_timeout=timedelta(seconds=args.timeout),
+        checkpoint_transport=_checkpoint_transport(args.hostname, timedelta(seconds=args.timeout)),
+        **({"hostname": args.hostname} if args.hostname else {}),
     )
     loss_fn = torch.nn.CrossEntropyLoss()
     try:
@@ -208,6 +237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 if args.step_delay:
                     time.sleep(args.step_delay)
+                if args.die_at is not None and manager.current_step() >= args.die_at:
+                    os.kill(os.getpid(), signal.SIGKILL)  # dies as a killed group does
         emit(
             event="final",
             final=True,
@@ -255,6 +286,7 @@ def _run_diloco(
             inner.zero_grad()
             x, y = task.batch(before * args.sync_every + local, args.replica_id, args.batch)
             loss_fn(model(x), y).backward()
+            t_step = time.time()
             inner.step()  # every sync_every-th step runs the outer sync inside
             local = (local + 1) % args.sync_every
             if local == 0:
@@ -263,6 +295,7 @@ def _run_diloco(
                     event="sync",
                     t=time.time(),
                     dt=time.time() - t0,
+                    sync_s=time.time() - t_step,
                     step=manager.current_step(),
                     committed=manager.current_step() > before,
                     participants=manager.num_participants(),

@@ -1,0 +1,414 @@
+"""``python -m cgx_ucx.bench ft``: fault-tolerant training with torchft, gloo against cgx.
+
+A torchft Lighthouse and ``--groups`` replica groups (one process each,
+:mod:`.ft_worker`) on this host, each group in its own network namespace, the groups
+joined by shaped links (:class:`~cgx_ucx.bench.netns.LinkEmulator`; the Lighthouse has a
+namespace of its own). The model is the 22 M-parameter MLP of ``bench train``
+(``--hidden 3840``).
+
+1. Per-step fault tolerance (torchft DistributedDataParallel + OptimizerWrapper) across
+   ``--ddp-rate`` links, side by side: torchft+gloo, torchft+cgx 32-bit, torchft+cgx
+   4-bit. In each run the last group is SIGKILLed at step ``--kill-at`` and restarted at
+   once; it heals from a survivor and rejoins. Reported: the survivors' longest stall
+   after the kill (the longest gap between two of their steps) and the steps they lost
+   (steps that did not commit), the time from the restart to the restarted group's first
+   step in the full quorum, the median step time before the kill, bytes per step on the
+   link, the final evaluation loss against an uninterrupted torchft+gloo run, and whether
+   every group ended at the same step with bit-identical parameters.
+2. DiLoCo (torchft.local_sgd) across ``--diloco-rate`` links: fp32 pseudo-gradients over
+   gloo, 4-bit and 2-bit over cgx. Reported: bytes per outer sync, sync time, final loss.
+
+Prints two tables and the targets, writes ``ft.json`` and ``ft.png``. Without root (or
+with ``--no-netns``) the groups run unshaped on loopback: a dry run of the procedure, not
+a measurement of the links. Default runtime on an idle 16-core host: about 8 minutes
+(each DDP run about 1 min, each DiLoCo run about 1 min, the gloo ones the longest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import os
+import statistics
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from .ft_jobs import FtJob, Lighthouse, read_reports
+from .report import add_output_args, format_table, results_dir, write_json
+
+__all__ = ["main"]
+
+#: (label, backend, bits) of the per-step runs and of the DiLoCo runs.
+DDP_RUNS = (
+    ("torchft+gloo", "gloo", 32),
+    ("torchft+cgx 32-bit", "cgx", 32),
+    ("torchft+cgx 4-bit", "cgx", 4),
+)
+DILOCO_RUNS = (
+    ("DiLoCo fp32 (gloo)", "gloo", 32),
+    ("DiLoCo cgx 4-bit", "cgx", 4),
+    ("DiLoCo cgx 2-bit", "cgx", 2),
+)
+#: The Lighthouse's port inside its namespace.
+LIGHTHOUSE_PORT = 29400
+#: Seconds a whole run may take before it is stopped and reported as hung.
+RUN_TIMEOUT_S = 600.0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m cgx_ucx.bench ft", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--groups", type=int, default=3, help="replica groups")
+    p.add_argument("--hidden", type=int, default=3840, help="MLP width (3840: 22 M parameters)")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--steps", type=int, default=40, help="DDP steps per run")
+    p.add_argument("--kill-at", type=int, default=10, help="step at which the last group dies")
+    p.add_argument("--diloco-steps", type=int, default=5, help="DiLoCo outer syncs per run")
+    p.add_argument("--sync-every", type=int, default=20, help="DiLoCo inner steps per sync")
+    p.add_argument("--ddp-rate", default="1gbit", help="link rate of the per-step runs")
+    p.add_argument("--diloco-rate", default="100mbit", help="link rate of the DiLoCo runs")
+    p.add_argument("--timeout", type=float, default=60.0, help="collective timeout (s)")
+    p.add_argument("--only", choices=("ddp", "diloco"), default=None)
+    p.add_argument("--no-netns", action="store_true", help="loopback, unshaped (a dry run)")
+    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 4))
+    add_output_args(p)
+    return p
+
+
+# -- where the groups run --------------------------------------------------------------------
+class _Place:
+    """The groups' namespaces (or loopback): commands, addresses and link byte counters."""
+
+    def __init__(self, groups: int, rate: str, netns: bool, workdir: Path) -> None:
+        self.groups = groups
+        self.rate = rate
+        self.netns = netns
+        self.workdir = workdir
+        self.emu: Any = None
+        self.lighthouse: Any = None
+        self.address = ""
+
+    @contextlib.contextmanager
+    def up(self) -> Iterator[_Place]:
+        if not self.netns:
+            lighthouse = Lighthouse(min_replicas=1)
+            self.address = lighthouse.address
+            try:
+                yield self
+            finally:
+                lighthouse.shutdown()
+            return
+        from .netns import LinkEmulator
+
+        with LinkEmulator(self.groups + 1, self.rate) as emu:
+            self.emu = emu
+            proc = emu.popen(
+                self.groups,
+                [sys.executable, "-m", "cgx_ucx.bench.ft_jobs", "--port", str(LIGHTHOUSE_PORT)],
+                stdout=open(self.workdir / "lighthouse.log", "w"),  # noqa: SIM115
+                stderr=open(self.workdir / "lighthouse.err", "w"),  # noqa: SIM115
+            )
+            end = time.monotonic() + 60
+            while "ready" not in (self.workdir / "lighthouse.log").read_text():
+                if proc.poll() is not None or time.monotonic() > end:
+                    raise RuntimeError("the Lighthouse did not start: see lighthouse.err")
+                time.sleep(0.1)
+            self.address = f"http://{emu.addresses[self.groups]}:{LIGHTHOUSE_PORT}"
+            try:
+                yield self
+            finally:
+                proc.kill()
+                proc.wait()
+
+    def job(self, out: Path, args: list[str]) -> FtJob:
+        emu = self.emu
+        if emu is None:
+            return FtJob(self.address, out, args)
+        return FtJob(
+            self.address,
+            out,
+            args,
+            env=lambda r: emu.rank_env(r),
+            prefix=lambda r: ["ip", "netns", "exec", emu.namespaces[r]],
+            host=lambda r: emu.addresses[r],
+        )
+
+    def egress(self) -> list[int] | None:
+        if self.emu is None:
+            return None
+        return [self.emu.egress_bytes(r) for r in range(self.groups)]
+
+
+# -- one run ----------------------------------------------------------------------------------
+def _worker_args(args: argparse.Namespace, backend: str, bits: int, mode: str) -> list[str]:
+    steps = args.steps if mode == "ddp" else args.diloco_steps
+    return [
+        "--backend", backend, "--bits", str(bits), "--mode", mode,
+        "--steps", str(steps), "--sync-every", str(args.sync_every),
+        "--hidden", str(args.hidden), "--batch", str(args.batch),
+        "--timeout", str(args.timeout), "--threads", str(args.threads),
+        "--end-with", str(args.groups),
+    ]  # fmt: skip
+
+
+def _run(place: _Place, out: Path, worker_args: list[str], kill_at: int | None) -> dict[str, Any]:
+    """One job; with ``kill_at`` the last group is SIGKILLed there and restarted."""
+    out.mkdir(parents=True, exist_ok=True)
+    job = place.job(out, worker_args)
+    victim = place.groups - 1
+    before = place.egress()
+    started = time.time()
+    killed = restarted = None
+    try:
+        die = {victim: kill_at} if kill_at is not None else {}
+        job.start_together(range(place.groups), RUN_TIMEOUT_S, die)
+        if kill_at is not None:
+            dead: list[float] = []
+
+            def gone() -> bool:
+                t = job.died(victim) if victim in job.procs else None
+                if t is not None:
+                    dead.append(t)
+                return bool(dead)
+
+            job.wait_for(gone, RUN_TIMEOUT_S, "the victim's death")
+            killed = dead[0]
+            restarted = time.time()
+            job.start(victim)
+        codes = job.wait(RUN_TIMEOUT_S)
+    finally:
+        job.stop()
+    after = place.egress()
+    reports = {r: read_reports(out, r) for r in range(place.groups)}
+    return {
+        "codes": codes,
+        "wall_s": time.time() - started,
+        "killed_at": killed,
+        "restarted_at": restarted,
+        "link_bytes": None
+        if before is None
+        else [a - b for a, b in zip(after, before, strict=True)],
+        "reports": reports,
+    }
+
+
+def _finals(reports: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any] | None]:
+    return [next((r for r in reversed(rows) if r.get("final")), None) for rows in reports.values()]
+
+
+def _ddp_metrics(run: dict[str, Any], groups: int) -> dict[str, Any]:
+    reports, killed = run["reports"], run["killed_at"]
+    victim = groups - 1
+    steps = {r: [x for x in rows if x.get("event") == "step"] for r, rows in reports.items()}
+    full = [x["dt"] for r in range(victim) for x in steps[r] if x["participants"] == groups
+            and (killed is None or x["t"] < killed)]  # fmt: skip
+    metrics: dict[str, Any] = {"step_s": statistics.median(full) if full else None}
+    sent = [x["sent"] for x in steps[0] if x.get("sent") and x["participants"] == groups]
+    metrics["cgx_bytes_per_step"] = statistics.median(sent) if sent else None
+    if run["link_bytes"] is not None:
+        total_steps = max(len(steps[0]), 1)
+        metrics["link_bytes_per_step"] = run["link_bytes"][0] / total_steps
+    if killed is not None:
+        stalls, lost = [], 0
+        for r in range(victim):
+            times = [killed] + [x["t"] for x in steps[r] if x["t"] > killed]
+            stalls.append(max((b - a for a, b in itertools.pairwise(times)), default=None))
+            after = [x for x in steps[r] if x["t"] > killed]
+            lost += sum(1 for a, b in itertools.pairwise(after) if b["step"] == a["step"])
+        metrics["stall_s"] = max((s for s in stalls if s is not None), default=None)
+        metrics["steps_lost"] = lost
+        back = [
+            x for x in steps[victim] if x["t"] > run["restarted_at"] and x["participants"] == groups
+        ]
+        metrics["rejoin_s"] = back[0]["t"] - run["restarted_at"] if back else None
+    finals = _finals(reports)
+    metrics["final_loss"] = finals[0]["eval_loss"] if finals[0] else None
+    metrics["same_step"] = (
+        all(f is not None for f in finals) and len({f["step"] for f in finals}) == 1
+    )
+    metrics["bit_identical"] = metrics["same_step"] and len({f["digest"] for f in finals}) == 1
+    metrics["ok"] = all(c == 0 for c in run["codes"].values())
+    return metrics
+
+
+def _diloco_metrics(run: dict[str, Any]) -> dict[str, Any]:
+    syncs = [x for x in run["reports"][0] if x.get("event") == "sync"]
+    later = syncs[1:] or syncs  # the first sync also forms the first quorum
+    sent = [x["sent"] for x in later if x.get("sent")]
+    finals = _finals(run["reports"])
+    bytes_per_sync = statistics.median(sent) if sent else None
+    if run["link_bytes"] is not None and syncs:
+        bytes_per_sync = run["link_bytes"][0] / len(syncs)
+    return {
+        "sync_s": statistics.median(x["sync_s"] for x in later) if later else None,
+        "bytes_per_sync": bytes_per_sync,
+        "cgx_bytes_per_sync": statistics.median(sent) if sent else None,
+        "final_loss": finals[0]["eval_loss"] if finals[0] else None,
+        "bit_identical": all(f is not None for f in finals)
+        and len({f["digest"] for f in finals}) == 1,
+        "ok": all(c == 0 for c in run["codes"].values()),
+    }
+
+
+# -- targets ----------------------------------------------------------------------------------
+def targets(
+    ddp: dict[str, dict[str, Any]], diloco: dict[str, dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """This command's targets, evaluated on this run (reported, never hidden)."""
+    out = []
+
+    def check(name: str, ok: bool | None, detail: str) -> None:
+        out.append({"target": name, "met": ok, "detail": detail})
+
+    gloo, c32, c4 = (ddp.get(label) for label, _, _ in DDP_RUNS)
+    if c4 is not None:
+        check(
+            "cgx 4-bit: kill and rejoin end bit-identical at one step", c4.get("bit_identical"), ""
+        )
+    if gloo and c4 and gloo.get("stall_s") is not None and c4.get("stall_s") is not None:
+        d = c4["stall_s"] - gloo["stall_s"]
+        check(
+            "cgx 4-bit stall within 1 s of gloo's",
+            d <= 1.0,
+            f"{c4['stall_s']:.2f} s vs {gloo['stall_s']:.2f} s",
+        )
+    if gloo and c4 and gloo.get("step_s") and c4.get("step_s"):
+        x = gloo["step_s"] / c4["step_s"]
+        check("cgx 4-bit step >= 3x faster than gloo", x >= 3.0, f"{x:.2f}x")
+    ref = ddp.get("reference (gloo, no kill)")
+    if ref and c4 and ref.get("final_loss") and c4.get("final_loss"):
+        rel = abs(c4["final_loss"] - ref["final_loss"]) / ref["final_loss"]
+        check("cgx 4-bit eval loss within 1% of gloo", rel <= 0.01, f"{rel * 100:.2f}%")
+    fp32, d4 = diloco.get(DILOCO_RUNS[0][0]), diloco.get(DILOCO_RUNS[1][0])
+    if fp32 and d4 and fp32.get("sync_s") and d4.get("sync_s"):
+        x = fp32["sync_s"] / d4["sync_s"]
+        check("DiLoCo 4-bit outer sync >= 6x faster than fp32 gloo", x >= 6.0, f"{x:.2f}x")
+    if fp32 and d4 and fp32.get("final_loss") and d4.get("final_loss"):
+        rel = abs(d4["final_loss"] - fp32["final_loss"]) / fp32["final_loss"]
+        check("DiLoCo 4-bit eval loss within 1% of fp32", rel <= 0.01, f"{rel * 100:.2f}%")
+    del c32
+    return out
+
+
+def _fmt(v: Any, scale: float = 1.0, digits: int = 2) -> str:
+    return "-" if v is None else f"{v / scale:.{digits}f}"
+
+
+def _plot(ddp: dict[str, dict[str, Any]], diloco: dict[str, dict[str, Any]], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    labels = [k for k in ddp if ddp[k].get("step_s")]
+    axes[0].bar(labels, [ddp[k]["step_s"] for k in labels])
+    axes[0].set_ylabel("step time (s)")
+    labels_k = [k for k in ddp if ddp[k].get("stall_s") is not None]
+    axes[1].bar(labels_k, [ddp[k]["stall_s"] for k in labels_k], color="tab:red")
+    axes[1].set_ylabel("survivors' longest stall (s)")
+    labels_d = [k for k in diloco if diloco[k].get("sync_s")]
+    axes[2].bar(labels_d, [diloco[k]["sync_s"] for k in labels_d], color="tab:green")
+    axes[2].set_ylabel("DiLoCo outer sync (s)")
+    for ax in axes:
+        ax.tick_params(axis="x", labelrotation=20, labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _print_tables(
+    args: argparse.Namespace,
+    netns: bool,
+    ddp: dict[str, dict[str, Any]],
+    diloco: dict[str, dict[str, Any]],
+) -> None:
+    if ddp:
+        link = args.ddp_rate if netns else "loopback"
+        print(f"\nper-step DDP, {args.groups} replica groups, links {link}")
+        headers = ["run", "step s", "MB/step", "stall s", "lost", "rejoin s", "eval loss", "same"]
+        rows = []
+        for k, m in ddp.items():
+            per_step = m.get("link_bytes_per_step") or m.get("cgx_bytes_per_step")
+            rows.append(
+                [k, _fmt(m.get("step_s")), _fmt(per_step, 1e6), _fmt(m.get("stall_s")),
+                 m.get("steps_lost", "-"), _fmt(m.get("rejoin_s")),
+                 _fmt(m.get("final_loss"), 1, 4), m.get("bit_identical")]
+            )  # fmt: skip
+        print(format_table(headers, rows))
+    if diloco:
+        link = args.diloco_rate if netns else "loopback"
+        print(f"\nDiLoCo, an outer sync every {args.sync_every} steps, links {link}")
+        rows = [
+            [k, _fmt(m.get("bytes_per_sync"), 1e6), _fmt(m.get("sync_s")),
+             _fmt(m.get("final_loss"), 1, 4), m.get("bit_identical")]
+            for k, m in diloco.items()
+        ]  # fmt: skip
+        print(format_table(["run", "MB/sync", "sync s", "eval loss", "same"], rows))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    out_dir = results_dir(args)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = out_dir / "ft_runs"
+    netns = not args.no_netns
+    if netns:
+        from .netns import missing_prerequisites
+
+        missing = missing_prerequisites()
+        if missing:
+            print(f"network namespaces unavailable ({', '.join(missing)}): loopback, unshaped")
+            netns = False
+    ddp: dict[str, dict[str, Any]] = {}
+    diloco: dict[str, dict[str, Any]] = {}
+    if args.only in (None, "ddp"):
+        with _Place(args.groups, args.ddp_rate, netns, out_dir).up() as place:
+            runs = [(label, b, bits, args.kill_at) for label, b, bits in DDP_RUNS]
+            runs.append(("reference (gloo, no kill)", "gloo", 32, None))
+            for label, backend, bits, kill in runs:
+                print(f"ft: {label} ...", flush=True)
+                run = _run(
+                    place,
+                    work / label.replace(" ", "_"),
+                    _worker_args(args, backend, bits, "ddp"),
+                    kill,
+                )
+                ddp[label] = {"backend": backend, "bits": bits, **_ddp_metrics(run, args.groups)}
+    if args.only in (None, "diloco"):
+        with _Place(args.groups, args.diloco_rate, netns, out_dir).up() as place:
+            for label, backend, bits in DILOCO_RUNS:
+                print(f"ft: {label} ...", flush=True)
+                run = _run(
+                    place,
+                    work / label.replace(" ", "_"),
+                    _worker_args(args, backend, bits, "diloco"),
+                    None,
+                )
+                diloco[label] = {"backend": backend, "bits": bits, **_diloco_metrics(run)}
+    _print_tables(args, netns, ddp, diloco)
+    checks = targets(ddp, diloco)
+    print("\nAgainst the targets:" + ("" if netns else " (loopback: not a measurement of links)"))
+    for c in checks:
+        mark = "MET " if c["met"] else "MISS"
+        print(f"  [{mark}] {c['target']} {c['detail']}")
+    config = {k: v for k, v in vars(args).items() if k not in ("out_dir", "refresh_tracked")}
+    record = {"config": {**config, "netns": netns}, "ddp": ddp, "diloco": diloco, "targets": checks}
+    path = write_json("ft", record, out_dir)
+    print(f"wrote {path}")
+    if _plot(ddp, diloco, out_dir / "ft.png"):
+        print(f"wrote {out_dir / 'ft.png'}")
+    ok = all(m.get("ok") for m in [*ddp.values(), *diloco.values()])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
