@@ -44,6 +44,7 @@ __all__ = [
     "ENV_BUCKET_SIZE",
     "ENV_MINIMAL_SIZE",
     "ENV_SPIN",
+    "ENV_STAGING",
     "ENV_STOCHASTIC",
     "ENV_TIMEOUT",
     "ENV_VARIABLES",
@@ -74,6 +75,12 @@ ENV_NODE_ID = "CGX_UCX_NODE_ID"
 ENV_SECRET = "CGX_UCX_SECRET"
 #: Progress after a completion (transport/progress.py): "auto", "1" (always spin), "0".
 ENV_SPIN = "CGX_UCX_SPIN"
+#: Staging memory a communicator keeps between collectives (collectives/staging.py).
+ENV_STAGING = "CGX_UCX_STAGING_MB"
+#: MiB of staging kept idle between collectives unless configured: a few pipeline pieces
+#: per role, so calls up to about 64 MiB reuse all their staging and larger ones hold no
+#: more after they return (``python -m cgx_ucx.bench memory``).
+DEFAULT_STAGING_MB = 32
 
 #: torch_cgx forces its minimal compressed size to at least 16 values.
 MIN_COMPRESSED_SIZE = 16
@@ -155,6 +162,15 @@ ENV_VARIABLES: tuple[EnvVar, ...] = (
         "This rank's node label (ranks with equal labels share a node); overrides the "
         "launcher's and the host's view of the nodes. Set it on every rank or on none.",
         "CommConfig.node_id",
+    ),
+    EnvVar(
+        ENV_STAGING,
+        "an integer >= 0 (MiB)",
+        str(DEFAULT_STAGING_MB),
+        "Staging memory (MiB) a communicator keeps for reuse between collectives, "
+        "shared segments apart (they have a cap of the same size); a call that needs "
+        "more allocates the rest and releases it when it returns.",
+        "CommConfig.staging_mb",
     ),
     EnvVar(
         ENV_SPIN,
@@ -339,6 +355,8 @@ class CommConfig:
     #: This rank's node label (ranks with equal labels share a node): overrides the
     #: launcher's and the host's view of the nodes (cgx_ucx.transport.topology).
     node_id: str | None = None
+    #: MiB of staging kept for reuse between collectives (cgx_ucx.collectives.staging).
+    staging_mb: int = DEFAULT_STAGING_MB
 
     def __post_init__(self) -> None:
         check_seconds(self.timeout)
@@ -346,6 +364,15 @@ class CommConfig:
             raise ConfigError(f"connect_timeout must be > 0 seconds, got {self.connect_timeout!r}")
         if self.progress_mode not in ("blocking", "polling", "thread", "thread-polling"):
             raise ConfigError(f"unknown progress_mode {self.progress_mode!r}")
+        if isinstance(self.staging_mb, bool) or not isinstance(self.staging_mb, int):
+            raise ConfigError(f"staging_mb must be an int (MiB), got {self.staging_mb!r}")
+        if self.staging_mb < 0:
+            raise ConfigError(f"staging_mb must be >= 0 MiB, got {self.staging_mb}")
+
+    @property
+    def staging_bytes(self) -> int:
+        """:attr:`staging_mb` in bytes."""
+        return self.staging_mb << 20
 
     def describe(self) -> str:
         """One line for logs: timeouts, progress mode, and the UCX defaults it adds."""
@@ -454,7 +481,13 @@ def resolve_comm(
     timeout = _env_number(ENV_TIMEOUT, env, float, lambda v: 0 < v <= MAX_SECONDS)
     secret = read_env(ENV_SECRET, env) or None
     node_id = read_env(ENV_NODE_ID, env) or None
-    env_values = {"timeout": timeout, "secret": secret, "node_id": node_id}
+    staging_mb = _env_number(ENV_STAGING, env, int, lambda v: v >= 0)
+    env_values = {
+        "timeout": timeout,
+        "secret": secret,
+        "node_id": node_id,
+        "staging_mb": staging_mb,
+    }
     return _merge(CommConfig, base or CommConfig(), env_values, kwargs)
 
 

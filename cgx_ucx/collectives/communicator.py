@@ -145,7 +145,7 @@ class Communicator:
         self._registry = CallRegistry(transport)
         #: prepare_allreduce results by argument set (see its ``cache``).
         self._prepared: dict = {}
-        self._pool = BufferPool()
+        self._pool = BufferPool(config.staging_bytes)
         self._codec = CodecRunner()
         self._closed = False
         self._warm = False  # warm_up() ran (or is running)

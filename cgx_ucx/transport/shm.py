@@ -158,13 +158,16 @@ class SegmentPool:
     """Segments reused across collectives, by power-of-two size (as :class:`BufferPool`).
 
     :meth:`take` returns a segment of at least ``nbytes``; :meth:`give` puts it back once
-    no peer reads it any more. Idle segments are bounded in count and bytes.
+    no peer reads it any more. Idle segments are bounded in count and in bytes
+    (``keep_bytes``): a segment given back beyond that is closed, so the memory a large
+    call grew goes back to the system once no peer maps it.
     """
 
     KEEP = 8
     KEEP_BYTES = 1 << 30
 
-    def __init__(self) -> None:
+    def __init__(self, keep_bytes: int = KEEP_BYTES) -> None:
+        self.keep_bytes = int(keep_bytes)
         self._free: dict[int, list[Segment]] = collections.defaultdict(list)
         self._idle_bytes = 0
         self._lock = threading.Lock()
@@ -181,11 +184,16 @@ class SegmentPool:
     def give(self, seg: Segment) -> None:
         with self._lock:
             free = self._free[seg.size]
-            if len(free) < self.KEEP and self._idle_bytes + seg.size <= self.KEEP_BYTES:
+            if len(free) < self.KEEP and self._idle_bytes + seg.size <= self.keep_bytes:
                 free.append(seg)
                 self._idle_bytes += seg.size
                 return
         seg.close()
+
+    @property
+    def idle_bytes(self) -> int:
+        """Bytes of the segments kept for reuse."""
+        return self._idle_bytes
 
     def clear(self) -> None:
         with self._lock:

@@ -1,0 +1,153 @@
+"""Staging memory is bounded: a communicator keeps at most its cap idle between calls,
+size classes waste little, dropped host buffers go back to the system, and results do
+not depend on the cap."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+import numpy as np
+import pytest
+from test_collectives_unit import FakeNetwork, _as_transport
+
+from cgx_ucx.collectives import Communicator
+from cgx_ucx.collectives.staging import (
+    DEFAULT_CAP_BYTES,
+    FINE_CLASS_BYTES,
+    MAP_MIN_BYTES,
+    BufferPool,
+    size_class,
+)
+from cgx_ucx.config import DEFAULT_STAGING_MB, ENV_STAGING, CommConfig, resolve_comm
+from cgx_ucx.errors import ConfigError
+from cgx_ucx.transport import shm
+
+pytestmark = pytest.mark.timeout(120)
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 1000, 4096, FINE_CLASS_BYTES, FINE_CLASS_BYTES + 1,
+                               MiB - 1, MiB, MiB + 1, 5 * MiB + 17, 8 * MiB + 4096])  # fmt: skip
+def test_size_class_fits_and_wastes_little(n):
+    c = size_class(n)
+    assert c >= n
+    assert size_class(c) == c  # a class is its own class: give() recognizes it
+    if n > FINE_CLASS_BYTES:
+        assert c - n <= n // 8
+    else:
+        assert c & (c - 1) == 0
+
+
+def test_idle_bytes_stay_within_the_cap():
+    pool = BufferPool(4 * MiB)
+    like = np.empty(0, np.float32)
+    taken = [pool.take(MiB + 100, like) for _ in range(10)]
+    assert all(b.size == MiB + 100 for b in taken)
+    u = pool.usage()
+    assert u["held"] >= 10 * (MiB + 100) and u["idle"] == 0 and u["cap"] == 4 * MiB
+    for b in taken:
+        pool.give(b)
+    u = pool.usage()
+    assert u["held"] == 0
+    assert 0 < u["idle"] <= 4 * MiB
+    assert u["peak"] >= 10 * (MiB + 100)
+    again = pool.take(MiB + 100, like)  # served from what was kept
+    assert pool.usage()["idle"] < u["idle"]
+    pool.give(again)
+
+
+def test_a_cap_of_zero_keeps_nothing_and_foreign_arrays_are_ignored():
+    pool = BufferPool(0)
+    like = np.empty(0, np.uint8)
+    pool.give(pool.take(3 * MiB, like))
+    pool.give(np.empty(1000, np.uint8))
+    pool.give(np.empty(MiB, np.uint8))  # a class size, but not one the pool lent
+    assert pool.usage()["idle"] == 0
+    with pytest.raises(ConfigError):
+        BufferPool(-1)
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_dropped_host_buffer_goes_back_to_the_system():
+    assert 64 * MiB > MAP_MIN_BYTES
+    pool = BufferPool(0)
+    buf = pool.take(64 * MiB, np.empty(0, np.uint8))
+    buf[:] = 1  # touch every page
+    before = _rss_mib()
+    pool.give(buf)
+    del buf
+    gc.collect()
+    assert before - _rss_mib() > 48
+
+
+def test_segment_pool_keeps_at_most_its_bytes():
+    if not shm.available():
+        pytest.skip("no memfd")
+    pool = shm.SegmentPool(MiB)
+    segs = [pool.take(MiB) for _ in range(3)]
+    for s in segs:
+        pool.give(s)
+    assert pool.idle_bytes == MiB
+    assert sum(s._map is None for s in segs) == 2  # the closed ones
+    pool.clear()
+
+
+def test_staging_cap_configuration():
+    assert CommConfig().staging_mb == DEFAULT_STAGING_MB
+    assert DEFAULT_STAGING_MB * MiB == DEFAULT_CAP_BYTES
+    assert CommConfig(staging_mb=8).staging_bytes == 8 * MiB
+    assert resolve_comm(env={ENV_STAGING: "8"}).staging_mb == 8
+    assert resolve_comm(env={ENV_STAGING: "8"}, staging_mb=2).staging_mb == 2
+    assert resolve_comm(env={ENV_STAGING: "0"}).staging_mb == 0
+    for bad in ("-1", "x", "1.5"):
+        with pytest.raises(ConfigError, match=ENV_STAGING):
+            resolve_comm(env={ENV_STAGING: bad})
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigError, match="staging_mb"):
+            CommConfig(staging_mb=bad)
+
+
+def _allreduce_world(cap_mb: int, bits: int, n: int) -> tuple[list[np.ndarray], list[dict]]:
+    """Two fake ranks, three allreduces of ``n`` values; results and pool usage."""
+
+    async def main() -> tuple[list[np.ndarray], list[dict]]:
+        net = FakeNetwork(2)
+        cfg = CommConfig(timeout=60.0, connect_timeout=10.0, staging_mb=cap_mb)
+        comms = [Communicator(_as_transport(t), cfg) for t in net.nodes]
+        xs = [np.random.default_rng(r).standard_normal(n).astype(np.float32) for r in range(2)]
+        try:
+            for _ in range(3):
+                await asyncio.gather(
+                    *(
+                        c.allreduce(x, bits=bits, algorithm="sra")
+                        for c, x in zip(comms, xs, strict=True)
+                    )
+                )
+            return xs, [c._pool.usage() for c in comms]
+        finally:
+            for c in comms:
+                await c.close()
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("bits", [4, 32])
+def test_results_do_not_depend_on_the_cap_and_idle_staging_stays_within_it(bits):
+    n = 6 * MiB // 4  # 6 MiB of float32: pieces of megabytes, several per chunk
+    bounded, usage = _allreduce_world(0, bits, n)
+    roomy, roomy_usage = _allreduce_world(256, bits, n)
+    for a, b in zip(bounded, roomy, strict=True):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    assert np.array_equal(bounded[0].view(np.uint32), bounded[1].view(np.uint32))
+    for u in usage:
+        assert u["held"] == 0 and u["idle"] == 0
+    assert min(u["idle"] for u in roomy_usage) > 0
