@@ -144,6 +144,10 @@ def _cache_class(path: Path, digest: str) -> type:
     return Cache
 
 
+#: Names of the element types the kernels see: half types travel as 16-bit integers.
+_VALUE_NAMES = {"uint16": "float16", "int16": "bfloat16"}
+
+
 def _arg_key(a: Any) -> Any:
     """What of an argument decides its Numba type, as far as the kernels' callers vary it."""
     if isinstance(a, np.ndarray):
@@ -281,14 +285,21 @@ class Kernel:
         with _compiler.lock:
             tell, _compiler.told = not _compiler.told, True
         level = logging.INFO if tell else logging.DEBUG
-        log.log(
-            level,
-            "compiled the host codec kernel %s for %s in %.1f s (kept in %s for later runs)",
-            self.dispatcher.py_func.__name__,
-            ", ".join(sorted({str(t.dtype) for t in sig if hasattr(t, "dtype")})),
-            took,
-            cache_dir(),
-        )
+        if log.isEnabledFor(level):
+            values = {
+                _VALUE_NAMES.get(str(t.dtype), str(t.dtype)) for t in sig if hasattr(t, "dtype")
+            }
+            background = threading.current_thread() is _compiler.thread
+            where = " in the background (the NumPy codec ran meanwhile)" if background else ""
+            log.log(
+                level,
+                "compiled the host codec kernel %s (%s) in %.1f s%s; kept in %s for later runs",
+                self.dispatcher.py_func.__name__.strip("_").removesuffix("_range"),
+                ", ".join(sorted(values - {"uint8"})),
+                took,
+                where,
+                cache_dir(),
+            )
 
     def _use_cache(self) -> None:
         path = cache_dir()
