@@ -70,6 +70,7 @@ def test_every_part_accepts_its_real_arguments(tmp_path: Path) -> None:
 @pytest.mark.timeout(150)
 def test_dry_run_of_the_link_part_ends_with_its_line(tmp_path: Path) -> None:
     done, out = _run(tmp_path, "--dry-run", "--parts", "3", timeout=140)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     lines = _lines(out)
     assert len(lines) == 1, done.stdout[-3000:]
     # Tiny sizes on a CPU miss the target; the line must still carry the figures.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fills .whl/ (ignored by git) with what benchmarks/device_check.sh needs on a machine
-# without network, to be carried there with the checkout (the device tool's carry: .whl):
+# without network; copy it there with the checkout (git does not take it along):
 #   bash benchmarks/device/prepare.sh
 # 1. The UCXX wheels for the machine's Python 3.12 (x86-64 manylinux): ucxx-cu12 and the
 #    libraries it loads (libucxx, libucx, librmm, rapids-logger), the versions this
@@ -9,7 +9,8 @@
 # 2. .whl/iproute: ip and tc of this machine with the shared libraries they load, behind
 #    wrappers that run them through the dynamic loader with those libraries (the loader's
 #    --library-path, so nothing they start inherits LD_LIBRARY_PATH).
-# Prints what the carried folder weighs: with the working tree it must stay under 64 MiB.
+# Prints what .whl/ weighs, and fails above 60 MiB: the checkout (about 3 MiB) and .whl/
+# are copied to the machine together, and such a copy is limited to 64 MiB.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY="${PYTHON:-python3}"
@@ -61,6 +62,6 @@ ls -la "$WHL" "$bundle/lib"
 du -sh "$WHL"
 size=$(du -sm "$WHL" | cut -f1)
 if [ "$size" -gt 60 ]; then
-  echo "$WHL weighs $size MiB: with the working tree it would pass the 64 MiB a call carries"
+  echo "$WHL weighs $size MiB: with the checkout it would pass the 64 MiB of one copy"
   exit 1
 fi

@@ -7,7 +7,9 @@ Each part's line reads ``PASS``, ``FAIL`` or ``SKIP``, the part's number and nam
 figures against the target. The figures are computed from the result's rows at whatever
 size ran (the dry run's tiny sizes too), with the targets below; ``--rc`` is the exit
 status of the part's command (124: it ran past its time). ``--lines`` appends the line to
-a file; ``summary`` writes those lines, with the provenance block, to one JSON.
+a file; ``summary`` writes those lines, with the provenance block, to one JSON. A copy of
+the checkout without ``.git`` cannot name its commit: ``summary --commit`` (from
+``CGX_DEVICE_COMMIT``) names it in the results that lack one, marked as given.
 """
 
 from __future__ import annotations
@@ -137,11 +139,31 @@ def line(part: str, rc: int, path: Path | None, tests_rc: int | None) -> str:
     return f"{'PASS' if ok and rc == 0 else 'FAIL'} {name}{where}: {text}"
 
 
-def summary(lines_file: Path, out: Path) -> None:
+def fill_commit(results: Path, commit: str) -> list[str]:
+    """Name ``commit`` in the provenance of every result JSON in ``results`` that has none
+    (a copy of the checkout without ``.git``); returns the files changed."""
+    changed = []
+    for path in sorted(results.glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except ValueError:
+            continue
+        block = data.get("provenance")
+        if isinstance(block, dict) and not block.get("git"):
+            block["git"] = {"commit": commit, "dirty": None, "given_by": "CGX_DEVICE_COMMIT"}
+            path.write_text(json.dumps(data, indent=2) + "\n")
+            changed.append(path.name)
+    return changed
+
+
+def summary(lines_file: Path, out: Path, commit: str | None = None) -> None:
     lines = lines_file.read_text().splitlines() if lines_file.is_file() else []
+    block = provenance.collect()
+    if commit and not block.get("git"):
+        block["git"] = {"commit": commit, "dirty": None, "given_by": "CGX_DEVICE_COMMIT"}
     record = {
         "benchmark": "device_check",
-        "provenance": provenance.collect(),
+        "provenance": block,
         "parts": lines,
         "passed": sum(x.startswith("PASS") for x in lines),
         "failed": sum(x.startswith("FAIL") for x in lines),
@@ -159,11 +181,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tests-rc", type=int, help="part 1: exit status of the GPU tests")
     ap.add_argument("--lines", type=Path, help="append the line here (summary: read them)")
     ap.add_argument("--out", type=Path, help="summary: the JSON to write")
+    ap.add_argument("--results", type=Path, help="summary: the parts' result folder")
+    ap.add_argument("--commit", help="summary: the commit to name where .git is absent")
     args = ap.parse_args(argv)
     if args.part == "summary":
         if args.lines is None or args.out is None:
             ap.error("summary needs --lines and --out")
-        summary(args.lines, args.out)
+        summary(args.lines, args.out, args.commit)
+        if args.commit and args.results is not None and args.results.is_dir():
+            changed = fill_commit(args.results, args.commit)
+            if changed:
+                print(f"commit {args.commit} named in the provenance of {', '.join(changed)}")
         return 0
     text = line(args.part, args.rc, args.json, args.tests_rc)
     print(text, flush=True)
