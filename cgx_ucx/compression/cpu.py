@@ -16,8 +16,8 @@ fused multiply-add, so the bytes equal :mod:`.reference`'s exactly; the tests ch
 float16 and bfloat16 have no Numba type: their bits travel as ``uint16`` (float16) and
 ``int16`` (bfloat16) views, and the element type selects the conversion at compile time
 (:func:`_load`, :func:`_store`). Kernels are compiled per signature when calls need
-them, on a background thread, and kept in a per-user disk cache (:mod:`.kernels`); until a
-signature is compiled its calls run the NumPy reference, whose bytes are the same.
+them and kept in a per-user disk cache (:mod:`.kernels`); in a connected process they
+compile on a background thread, and calls run the NumPy reference (the same bytes) until then.
 """
 
 from __future__ import annotations
