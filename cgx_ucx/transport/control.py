@@ -26,6 +26,8 @@ log = logging.getLogger("cgx_ucx.transport")
 MAX_REASON_NBYTES = 1024
 #: ABORT frames kept while no communicator listens yet (one per peer and call at most).
 MAX_EARLY_ABORT_FRAMES = 64
+#: Ranks a timed-out wait asks in turn, following who each waits on (see _behind).
+MAX_STATUS_HOPS = 3
 
 
 class MeshControl(MeshState):
@@ -210,14 +212,36 @@ class MeshControl(MeshState):
         await self.send_control(rank, req)
         return p.asks
 
-    async def _timed_out(self, rank: int, what: str) -> CGXError:
+    async def _status_of(self, rank: int) -> PeerStatus:
+        """:meth:`peer_status`, with the state of its process where it runs on this
+        machine (.liveness) when it does not answer."""
         status = await self.peer_status(rank, min(STATUS_WAIT_S, self.config.timeout))
         proc = self.peers[rank].process
         if not status.answered and not status.gone and proc is not None:
             status.process, status.pid = process_state(proc) or "", proc.pid
+        return status
+
+    async def _behind(self, status: PeerStatus) -> str:
+        """Who a live late peer waits on, followed rank by rank (every rank is our peer):
+        "; rank 6 is alive and still in ... waiting on rank 7 ...; rank 7 is alive at the
+        host level but not answering ...", so the rank that holds the others up is named
+        even where a rank next to it timed out first. Only the last rank asked can fail
+        to answer, so this adds at most one status wait."""
+        seen, out = {self.rank, status.rank}, []
+        for _ in range(MAX_STATUS_HOPS):
+            nxt = [r for r in status.waits_on if r not in seen and r in self.peers]
+            if not status.answered or not nxt:
+                break
+            seen.add(nxt[0])
+            status = await self._status_of(nxt[0])
+            out.append(status.describe())
+        return "".join(f"; {text}" for text in out)
+
+    async def _timed_out(self, rank: int, what: str) -> CGXError:
+        status = await self._status_of(rank)
         exc = CGXTimeoutError(
             f"rank {self.rank}: rank {rank} did not complete {what} within "
-            f"{self.config.timeout:g} s: {status.describe()}",
+            f"{self.config.timeout:g} s: {status.describe()}{await self._behind(status)}",
             peer=rank,
             alive=status.alive,
         )

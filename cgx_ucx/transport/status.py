@@ -11,6 +11,7 @@ them the mesh still knows the latest collective this rank sent a frame for.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 
@@ -26,6 +27,8 @@ STATUS_WAIT_S = 1.0
 MAX_WHAT_NBYTES = 256
 #: Peers a STATUS answer names as the ones this rank waits on (the longest waits).
 MAX_WAITS_TOLD = 3
+#: One wait in a STATUS answer's text, as :meth:`Activity.waiting_on` writes it.
+_WAIT = re.compile(r"rank (\d+) for [0-9.]+ s")
 
 
 class Activity:
@@ -115,6 +118,14 @@ class PeerStatus:
     def from_frame(cls, frame: Frame, what: str) -> PeerStatus:
         finished = frame.count - 1 if frame.count else None
         return cls(frame.src, False, True, frame.seq, finished, what)
+
+    @property
+    def waits_on(self) -> list[int]:
+        """The ranks the peer said it waits on, longest wait first (from its answer)."""
+        _, sep, waits = self.what.rpartition("waiting on ")
+        if not self.answered or not sep:
+            return []
+        return [int(r) for r in _WAIT.findall(waits)[:MAX_WAITS_TOLD]]
 
     @property
     def alive(self) -> bool | None:
