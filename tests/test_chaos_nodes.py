@@ -121,7 +121,9 @@ def _trial(fault: str) -> tuple[float, dict[int, dict], dict[int, float], list[i
     stderr tails)."""
     culprits, _ = FAULTS[fault]
     with (
-        LinkEmulator(WORLD, "1gbit", nodes=NODES, prefix=PREFIX) as link,
+        # UCX_TLS=tcp: the namespaces share a kernel, and UCX would otherwise carry some
+        # lanes between nodes over shared memory, which a cut link does not stop.
+        LinkEmulator(WORLD, "1gbit", nodes=NODES, force_tcp=True, prefix=PREFIX) as link,
         tempfile.TemporaryDirectory(prefix="cgxnodes-") as store_dir,
     ):
         argv = [sys.executable, "-c", _RANK, TESTS_DIR, store_dir, fault, str(culprits[-1])]

@@ -26,7 +26,7 @@ log = logging.getLogger("cgx_ucx.transport")
 MAX_REASON_NBYTES = 1024
 #: ABORT frames kept while no communicator listens yet (one per peer and call at most).
 MAX_EARLY_ABORT_FRAMES = 64
-#: Ranks a timed-out wait asks in turn, following who each waits on (see _behind).
+#: Ranks a timed-out wait's message follows, from who the late peer waits on (_behind).
 MAX_STATUS_HOPS = 3
 
 
@@ -221,27 +221,36 @@ class MeshControl(MeshState):
             status.process, status.pid = process_state(proc) or "", proc.pid
         return status
 
-    async def _behind(self, status: PeerStatus) -> str:
-        """Who a live late peer waits on, followed rank by rank (every rank is our peer):
-        "; rank 6 is alive and still in ... waiting on rank 7 ...; rank 7 is alive at the
-        host level but not answering ...", so the rank that holds the others up is named
-        even where a rank next to it timed out first. Only the last rank asked can fail
-        to answer, so this adds at most one status wait."""
+    def _behind(self, status: PeerStatus, statuses: dict[int, PeerStatus]) -> str:
+        """Who a live late peer waits on, followed rank by rank through the answers in
+        ``statuses`` ("; rank 6 is alive and still in ... waiting on rank 7 ...; rank 7
+        is alive at the host level but not answering ..."), then every rank that did not
+        answer at all: the rank that holds the others up is named even where a rank next
+        to it timed out first, or sits behind a cut link."""
         seen, out = {self.rank, status.rank}, []
         for _ in range(MAX_STATUS_HOPS):
-            nxt = [r for r in status.waits_on if r not in seen and r in self.peers]
+            nxt = [r for r in status.waits_on if r not in seen and r in statuses]
             if not status.answered or not nxt:
                 break
             seen.add(nxt[0])
-            status = await self._status_of(nxt[0])
+            status = statuses[nxt[0]]
             out.append(status.describe())
+        silent = [r for r, st in sorted(statuses.items()) if not (st.answered or st.gone)]
+        silent = [r for r in silent if r not in seen]
+        if silent:
+            ranks = ", ".join(f"rank {r}" for r in silent)
+            out.append(f"{ranks} did not answer a status request within {STATUS_WAIT_S:g} s")
         return "".join(f"; {text}" for text in out)
 
     async def _timed_out(self, rank: int, what: str) -> CGXError:
-        status = await self._status_of(rank)
+        # Every connected peer is asked at once (one status wait in all), for _behind.
+        asked = [r for r, p in self.peers.items() if p.lost is None and p.ctrl is not None]
+        answers = await asyncio.gather(*(self._status_of(r) for r in {rank, *asked}))
+        statuses = {st.rank: st for st in answers}
+        status = statuses[rank]
         exc = CGXTimeoutError(
             f"rank {self.rank}: rank {rank} did not complete {what} within "
-            f"{self.config.timeout:g} s: {status.describe()}{await self._behind(status)}",
+            f"{self.config.timeout:g} s: {status.describe()}{self._behind(status, statuses)}",
             peer=rank,
             alive=status.alive,
         )

@@ -150,7 +150,7 @@ class PeerStatus:
             if self.process == "running":
                 return (
                     f"rank {r} is connected but {asked}; its process {self.pid} is running "
-                    "(busy outside its event loop)"
+                    "(busy outside its event loop, or cut off)"
                 )
             return f"rank {r} is connected but {asked} (busy outside its event loop, or cut off)"
         if self.started_seq == 0:
