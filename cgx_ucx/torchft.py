@@ -31,7 +31,9 @@ Semantics:
    error until the next ``configure``.
 3. Reconfiguration tears the previous group down as :meth:`abort` does (without its
    error): torchft configures only between steps, and peers that still hold the old
-   group see this rank leave it, which is what a new quorum means.
+   group see this rank leave it, which is what a new quorum means. The engine thread
+   and the UCX context are held from the first ``configure`` to :meth:`shutdown`, so a
+   reconfiguration neither starts threads nor pays UCX's start and stop.
 4. HSDP (a DeviceMesh over torchft's ManagedProcessGroup) needs a group registered
    with torch's functional collectives, which a Python process group cannot serve:
    :meth:`register` raises :class:`~cgx_ucx.errors.ConfigError` saying so.
@@ -108,6 +110,8 @@ class ProcessGroupCGX(ProcessGroupWrapper):
         self._comm_base = comm
         self._errored: Exception | None = None
         self._local = threading.local()
+        #: The engine and the UCX context, held from the first configure to shutdown.
+        self._engine: Any = None
         self._lock = threading.Lock()
         self._configures = 0
 
@@ -195,8 +199,39 @@ class ProcessGroupCGX(ProcessGroupWrapper):
             raise ConfigError(f"the process group timeout must be > 0, got {self._timeout}")
         return resolve_comm(self._comm_base, timeout=secs, connect_timeout=secs)
 
+    def _hold_engine(self, config: CommConfig) -> None:
+        """Keep the engine thread and the UCX context from the first configure to
+        :meth:`shutdown`: a group's teardown then releases only its endpoints and
+        listener, and the next configure connects on the running context instead of
+        starting the engine and UCX again."""
+        if self._engine is not None:
+            return
+        from .engine import Engine  # UCX is imported only when a group is made
+
+        engine = Engine.get(retain=True)
+        try:
+            engine.run(_acquire_ucx(config), config.connect_timeout)
+        except BaseException:
+            engine.release()
+            raise
+        self._engine = engine
+
+    def _drop_engine(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is None:
+            return
+        try:
+            if engine.running:
+                engine.run(_release_ucx(), ABORT_TIMEOUT_S)
+        except CGXError as exc:
+            log.info("releasing the UCX context of a torchft-cgx group: %s", exc)
+        finally:
+            engine.release()
+
     def _create_pg(self, store: Any, rank: int, world_size: int) -> _CGXGroup:
-        options = CGXOptions(compression=self._compression, comm=self._comm_config())
+        config = self._comm_config()
+        self._hold_engine(config)
+        options = CGXOptions(compression=self._compression, comm=config)
         group = _CGXGroup(store, rank, world_size, self._timeout, options)
         self._errored = None
         self._configures += 1
@@ -242,6 +277,7 @@ class ProcessGroupCGX(ProcessGroupWrapper):
         pg, self._pg = self._pg, None
         if isinstance(pg, _CGXGroup):
             _release(pg)
+        self._drop_engine()
 
     def register(self, name: str) -> Any:
         raise ConfigError(
@@ -258,6 +294,19 @@ class ProcessGroupCGX(ProcessGroupWrapper):
             "the torchft-cgx process group is not configured (configure() is called by "
             "torchft's Manager at each quorum)"
         )
+
+
+async def _acquire_ucx(config: CommConfig) -> None:
+    """On the engine loop: count one more user of the process's UCX context."""
+    from .transport import ucx
+
+    ucx.acquire(config.progress_mode, config.ucx_env)
+
+
+async def _release_ucx() -> None:
+    from .transport import ucx
+
+    ucx.release()
 
 
 async def _abort_communicator(comm: Any) -> None:

@@ -51,6 +51,32 @@ def _configure(pg: object, addr: str, quorum: int, rank: int, world: int) -> Non
     pg.configure(f"{addr}/torchft/{quorum}/0", "replica", rank, world, quorum)  # type: ignore[attr-defined]
 
 
+# -- without peers ---------------------------------------------------------------------------
+def test_unconfigured_group_and_refusals() -> None:
+    import torch
+    import torch.distributed as dist
+
+    from cgx_ucx.config import CompressionConfig
+    from cgx_ucx.errors import ConfigError
+    from cgx_ucx.torchft import ProcessGroupAbortedError, ProcessGroupCGX
+
+    pg = ProcessGroupCGX(bits=4)
+    assert pg.getBackendName() == "torchft-cgx"
+    assert pg.errored() is None and pg.group is None
+    assert pg.compression == CompressionConfig(bits=4)
+    with pytest.raises(ProcessGroupAbortedError, match="not configured"):
+        pg.allreduce([torch.ones(2)], dist.AllreduceOptions())
+    with pytest.raises(ConfigError, match="HSDP"):
+        pg.register("hsdp")
+    with pytest.raises(ConfigError, match="not both"):
+        ProcessGroupCGX(bits=4, compression=CompressionConfig(bits=2))
+    with pytest.raises(ConfigError, match="one of them"), pg.compressed():
+        pass
+    pg.abort()
+    assert isinstance(pg.errored(), ProcessGroupAbortedError)
+    pg.shutdown()
+
+
 # -- shrink and grow ------------------------------------------------------------------------
 def _shrink_grow(ctx: RankContext) -> list[list[float]]:
     from cgx_ucx.torchft import ProcessGroupCGX
@@ -176,6 +202,12 @@ def test_compression_per_call() -> None:
 
 # -- many reconfigurations --------------------------------------------------------------------
 def _resources() -> dict[str, int]:
+    import gc
+
+    # UCX closes the dropped group's endpoints on the engine loop, after configure has
+    # returned; and garbage is not a leak: count what is still referenced.
+    time.sleep(0.5)
+    gc.collect()
     with open("/proc/self/status") as f:
         status = dict(line.split(":", 1) for line in f if ":" in line)
     return {
@@ -183,7 +215,15 @@ def _resources() -> dict[str, int]:
         "threads": threading.active_count(),
         "os_threads": int(status["Threads"]),
         "fds": len(os.listdir("/proc/self/fd")),
+        "sockets": sum(_is_socket(f) for f in os.listdir("/proc/self/fd")),
     }
+
+
+def _is_socket(fd: str) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+    except OSError:
+        return False
 
 
 def _reconfigure_many(ctx: RankContext, times: int) -> list[dict[str, int]]:
@@ -195,28 +235,41 @@ def _reconfigure_many(ctx: RankContext, times: int) -> list[dict[str, int]]:
     for quorum in range(times):
         _configure(pg, addr, quorum, ctx.rank, 2)
         assert _allreduce(pg, 1.0) == [2.0, 2.0]
-        if quorum in (times // 5, times - 1):
+        if quorum == times // 5:
             seen.append(_resources())
+    # The dropped groups' TCP connections close when both sides have let go, which on a
+    # busy machine can lag a few seconds; a leaked descriptor never goes.
+    for _ in range(20):
+        last = _resources()
+        if last["fds"] <= seen[0]["fds"] + _fd_slack(times):
+            break
+    seen.append(last)
     pg.shutdown()
     del server
     return seen
 
 
-def _check_flat(seen: list[dict[str, int]]) -> None:
+def _fd_slack(times: int) -> int:
+    return max(4, times // 10)
+
+
+def _check_flat(seen: list[dict[str, int]], times: int) -> None:
+    """Nothing grows with the number of reconfigurations: the live group's own
+    descriptors vary by a few between two moments, a leak would add several per one."""
     first, last = seen
     assert last["threads"] == first["threads"], seen
     assert last["os_threads"] <= first["os_threads"] + 1, seen
-    assert last["fds"] <= first["fds"] + 2, seen
-    assert last["rss_kb"] - first["rss_kb"] < 40_000, seen
+    assert last["fds"] <= first["fds"] + _fd_slack(times), seen
+    assert last["rss_kb"] - first["rss_kb"] < 20_000, seen
 
 
 def test_reconfigure_twenty_times_flat() -> None:
     """Threads, file descriptors (listeners included) and RSS stay flat."""
     for seen in run_ranks(_reconfigure_many, 2, args=(20,), timeout=90):
-        _check_flat(seen)
+        _check_flat(seen, 20)
 
 
 @pytest.mark.slow
 def test_reconfigure_hundred_times_flat() -> None:
     for seen in run_ranks(_reconfigure_many, 2, args=(100,), timeout=300):
-        _check_flat(seen)
+        _check_flat(seen, 100)
