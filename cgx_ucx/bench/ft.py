@@ -205,8 +205,7 @@ def _ddp_metrics(run: dict[str, Any], groups: int) -> dict[str, Any]:
     reports, killed = run["reports"], run["killed_at"]
     victim = groups - 1
     steps = {r: [x for x in rows if x.get("event") == "step"] for r, rows in reports.items()}
-    full = [x["dt"] for r in range(victim) for x in steps[r] if x["participants"] == groups
-            and (killed is None or x["t"] < killed)]  # fmt: skip
+    full = [x["dt"] for r in range(victim) for x in steps[r] if x["participants"] == groups]
     metrics: dict[str, Any] = {"step_s": statistics.median(full) if full else None}
     sent = [x["sent"] for x in steps[0] if x.get("sent") and x["participants"] == groups]
     metrics["cgx_bytes_per_step"] = statistics.median(sent) if sent else None

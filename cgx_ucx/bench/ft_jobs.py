@@ -139,7 +139,8 @@ class FtJob:
         go.unlink(missing_ok=True)
         self.dying |= set(die)
         for r in replicas:
-            extra = ["--wait-go", *(["--die-at", str(die[r])] if r in die else [])]
+            extra = ["--wait-go", "--start-with", str(len(replicas))]
+            extra += ["--die-at", str(die[r])] if r in die else []
             self.start(r, extra)
 
         def ready() -> bool:

@@ -62,6 +62,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hostname", default=None, help="address peers dial for this group's Manager")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--step-delay", type=float, default=0.0, help="sleep per step (s)")
+    p.add_argument(
+        "--start-with",
+        type=int,
+        default=1,
+        help="before training, wait for a quorum of this many replica groups",
+    )
     p.add_argument("--die-at", type=int, default=None, help="SIGKILL itself at this step")
     p.add_argument("--wait-go", action="store_true", help="start training once OUT/go exists")
     p.add_argument("--out", required=True, help="folder of the JSON-lines reports")
@@ -211,6 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     loss_fn = torch.nn.CrossEntropyLoss()
     try:
+        _wait_for_groups(manager, args.start_with, args.timeout)
         if diloco:
             _run_diloco(args, manager, model, inner, outer, task, loss_fn, pg, emit)
         else:
@@ -253,6 +260,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         manager.shutdown(wait=False)
         pg.shutdown()
     return 0
+
+
+def _wait_for_groups(manager: Any, groups: int, timeout: float) -> None:
+    """Form quorums until one holds ``groups`` replica groups, so that a run starts with
+    all of them instead of with whichever group was up first."""
+    end = time.monotonic() + timeout
+    while groups > 1:
+        manager.start_quorum()
+        if manager.num_participants() >= groups or time.monotonic() > end:
+            return
+        time.sleep(0.1)
 
 
 def _done(args: argparse.Namespace, manager: Any) -> bool:
