@@ -72,6 +72,7 @@ kernels.compile_in_background()
 x = np.random.default_rng(0).standard_normal(kernels.COMPILE_AFTER_VALUES // 2)
 x = x.astype(np.float32)
 first = encode(x, 4)
+after_first = len(cpu._encode_range.dispatcher.signatures)
 queued = kernels.wait_compiled(0)  # half the values: nothing queued yet
 second = encode(x, 4)  # the threshold: queued
 done = kernels.wait_compiled(600)
@@ -79,7 +80,7 @@ third = encode(x, 4)  # the kernel
 ref = reference.encode(x, 4)
 print(json.dumps({
     "same": [bool(np.array_equal(b, ref)) for b in (first, second, third)],
-    "idle_before": queued, "done": done,
+    "idle_before": queued, "done": done, "after_first": after_first,
     "signatures": len(cpu._encode_range.dispatcher.signatures),
     "decode_signatures": len(cpu._decode_range.dispatcher.signatures),
 }))
@@ -105,6 +106,7 @@ def test_background_compile_is_bit_identical_and_persists(tmp_path: Path) -> Non
     result, logs = _run(cache)
     assert result["same"] == [True, True, True]
     assert result["idle_before"] and result["done"]
+    assert result["after_first"] == 0  # a cold cache: the first, small call ran the reference
     # Only the signature the calls used: one encode, no decode.
     assert (result["signatures"], result["decode_signatures"]) == (1, 0)
     told = [line for line in logs.splitlines() if "compiled the host codec kernel" in line]
@@ -113,5 +115,38 @@ def test_background_compile_is_bit_identical_and_persists(tmp_path: Path) -> Non
     # A second process (another environment of the same user) loads it: no compile.
     again, logs = _run(cache)
     assert again["same"] == [True, True, True]
+    assert again["after_first"] == 1  # a warm cache: the first call loaded the kernel
     assert "compiled the host codec kernel" not in logs
     assert "loaded from the kernel cache" in logs
+
+
+_LARGE_FIRST_CALL = """
+import json
+import numpy as np
+from cgx_ucx.compression import cpu, encode, kernels, reference
+kernels.compile_in_background()
+x = np.random.default_rng(1).standard_normal(kernels.COMPILE_AFTER_VALUES).astype(np.float32)
+out = encode(x, 4)
+print(json.dumps({
+    "same": bool(np.array_equal(out, reference.encode(x, 4))),
+    "signatures": len(cpu._encode_range.dispatcher.signatures),
+}))
+"""
+
+
+@pytest.mark.timeout(900)
+def test_a_large_first_call_waits_for_its_kernel_instead_of_the_reference(
+    tmp_path: Path,
+) -> None:
+    env = {**os.environ, "CGX_UCX_KERNEL_CACHE": str(tmp_path / "kernels")}
+    env.pop("NUMBA_CACHE_DIR", None)
+    out = subprocess.run(
+        [sys.executable, "-c", _LARGE_FIRST_CALL],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = __import__("json").loads(out.stdout.splitlines()[-1])
+    assert result == {"same": True, "signatures": 1}

@@ -4,12 +4,14 @@ A :class:`Kernel` wraps one ``@njit`` function. A call asks :meth:`Kernel.ready`
 the signature its arguments make (element types, read-only or not, alignment) is compiled.
 By default a missing one is compiled then, on the calling thread, as Numba does. Once
 :func:`compile_in_background` is called (by :func:`cgx_ucx.collectives.connect`: a
-collective must not compile inside a peer's deadline), the caller runs the NumPy reference
-codec instead (:mod:`.reference`, bytes equal to the kernels', which the tests check) and
-the signature is compiled by one background thread once calls of it have moved
+collective must not compile inside a peer's deadline), a small call runs the NumPy
+reference codec instead (:mod:`.reference`, bytes equal to the kernels', which the tests
+check) and the signature is compiled by one background thread once calls of it have moved
 :data:`COMPILE_AFTER_VALUES` values: a job compiles only the signatures it uses (a job
-whose only host-side calls are the small ones made while connecting compiles none), and
-no call waits for a compile. :func:`compiling_here` compiles on the calling thread in
+whose only host-side calls are the small ones made while connecting compiles none). A call
+of at least that many values waits for its kernel instead (the reference would take as
+long as the compile), and where the disk cache already holds the kernel, it is loaded at
+the first call (milliseconds). :func:`compiling_here` compiles on the calling thread in
 either mode (:func:`.cpu.warmup`).
 
 Compiled kernels are kept in :func:`cache_dir`, one directory per user, Numba version and
@@ -182,14 +184,19 @@ class _Compiler:
                 kernel.compile_signature(key, sig)
             except Exception as exc:  # the kernel stays on the NumPy reference
                 log.warning("compiling %s failed, the NumPy codec stands in: %s", kernel, exc)
+                kernel.mark_failed(key)
             finally:
                 with self.lock:
                     self.pending -= 1
                     self.idle.notify_all()
 
     def wait(self, timeout: float | None) -> bool:
+        return self.wait_for(lambda: self.pending == 0, timeout)
+
+    def wait_for(self, done: Callable[[], bool], timeout: float | None = None) -> bool:
+        """Wait until ``done()`` holds; it is checked after each compile."""
         with self.lock:
-            return self.idle.wait_for(lambda: self.pending == 0, timeout)
+            return self.idle.wait_for(done, timeout)
 
 
 _compiler = _Compiler()
@@ -235,6 +242,7 @@ class Kernel:
         self._module = module if module is not None else sys.modules[py_func.__module__]
         self._ready: set[Any] = set()
         self._queued: set[Any] = set()
+        self._failed: set[Any] = set()
         self._moved: dict[Any, int] = {}
         self._cache_on = False
         self._lock = threading.Lock()
@@ -256,15 +264,37 @@ class Kernel:
         key = tuple(map(_arg_key, args))
         if key in self._ready:
             return True
-        if not _background or getattr(_here, "on", False):
+        if not _background or getattr(_here, "on", False) or self._cached_before():
             self.compile_signature(key, self.signature(args))
             return True
-        moved = self._moved.get(key, 0) + max(int(numel), 1)
-        self._moved[key] = moved
-        if moved >= COMPILE_AFTER_VALUES and key not in self._queued:
-            self._queued.add(key)
+        with self._lock:
+            moved = self._moved.get(key, 0) + max(int(numel), 1)
+            self._moved[key] = moved
+            submit = moved >= COMPILE_AFTER_VALUES and key not in self._queued
+            if submit:
+                self._queued.add(key)
+        if submit:
             _compiler.submit(self, key, self.signature(args))
+        if numel >= COMPILE_AFTER_VALUES:
+            # A call this large costs the reference at least what the compile does.
+            _compiler.wait_for(lambda: key in self._ready or key in self._failed)
+            return key in self._ready
         return False
+
+    def _cached_before(self) -> bool:
+        """Whether the disk cache holds an index of this kernel: then a signature loads in
+        milliseconds (compiling one the index lacks is the rare case), so the call waits
+        for it instead of running the reference."""
+        with self._lock:
+            if not self._cache_on:
+                self._use_cache()
+        cache_file = getattr(getattr(self.dispatcher, "_cache", None), "_cache_file", None)
+        index = getattr(cache_file, "_index_path", None)  # Numba's IndexDataCacheFile
+        return isinstance(index, str) and os.path.exists(index)
+
+    def mark_failed(self, key: Any) -> None:
+        """``key`` could not be compiled: its calls run the reference from now on."""
+        self._failed.add(key)
 
     def signature(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         return tuple(self.dispatcher.typeof_pyval(a) for a in args)
