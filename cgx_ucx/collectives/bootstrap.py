@@ -11,55 +11,23 @@ job compiles only what it uses (a GPU-only job no host kernel).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import os
 import time
 from typing import Any
 
-from ..config import CommConfig
-from .transport import Transport
-
-__all__ = ["all_counted", "codec_ready", "share_codec_threads", "start_codec_warm_up"]
+__all__ = ["all_counted", "compile_codec_in_background", "share_codec_threads"]
 
 log = logging.getLogger("cgx_ucx")
 
 
-def start_codec_warm_up() -> concurrent.futures.Future | None:
-    """Switch the host codec to compiling in the background (see the module's docstring);
-    returns the codec work connect must wait for: none."""
+def compile_codec_in_background() -> None:
+    """Switch the host codec to compiling in the background (see the module's docstring):
+    a compile holds the GIL for most of its time, and inside a connect or a collective it
+    would delay this rank's steps and failure detection past their deadlines."""
     from ..compression import kernels
 
     kernels.compile_in_background()
-    return None
-
-
-async def codec_ready(
-    warm: concurrent.futures.Future | None,
-    store: Any,
-    mesh: Transport,
-    config: CommConfig,
-    prefix: str,
-) -> None:
-    """Wait (bounded by ``connect_timeout``) until ``warm`` is done on every rank: a
-    counter in the store, under the communicator's job-unique id. Without ``warm`` (the
-    codec needs nothing at connect) there is nothing to wait for. Past the bound the
-    connect goes on (a warning): slow local work must not fail the run.
-    """
-    if warm is None:
-        return
-    end = time.monotonic() + config.connect_timeout
-    try:
-        await asyncio.wait_for(asyncio.wrap_future(warm), config.connect_timeout)
-    except TimeoutError:
-        log.warning("codec warm-up not done within connect_timeout; going on")
-    except Exception as exc:  # the first compressed call reports it, typed
-        log.warning("codec warm-up failed: %s", exc)
-    if mesh.world_size == 1:
-        return
-    key = f"{prefix}/codec_ready/{mesh.job:x}"
-    if not await all_counted(store, key, mesh.world_size, end, pause=0.005):
-        log.warning("not every rank warmed its codec up within connect_timeout; going on")
 
 
 async def all_counted(store: Any, key: str, n: int, end: float, pause: float = 0.002) -> bool:

@@ -33,7 +33,7 @@ from .allgather import prepare_allgather, run_allgather
 from .allreduce import prepare_allreduce, run_allreduce
 from .alltoall import prepare_alltoall, run_alltoall
 from .barrier import prepare_barrier, run_barrier
-from .bootstrap import codec_ready, share_codec_threads, start_codec_warm_up
+from .bootstrap import compile_codec_in_background, share_codec_threads
 from .broadcast import prepare_broadcast, run_broadcast
 from .call import Call, what
 from .failure import explained, tell_peers
@@ -105,19 +105,11 @@ async def connect(
     mesh = await Mesh.connect(
         store, int(rank), int(world_size), config, prefix, host, data_error_handling
     )
-    # Only once connected: the compile holds the GIL for most of its time, and during
-    # the rendezvous it would delay this rank's connect steps and failure detection past
-    # their deadlines. Loading cached kernels takes a fraction of a second.
-    warm = start_codec_warm_up()
-    try:
-        await codec_ready(warm, store, mesh, config, prefix)
-    except BaseException:
-        await mesh.abort()
-        raise
+    compile_codec_in_background()
     share_codec_threads(len(mesh.local_ranks))
     log_configuration(config, None, rank=mesh.rank, world_size=mesh.world_size)
     # The env:// store lives as long as the communicator: on rank 0 it is the TCPStore
-    # server, which peers may still poll (the codec-ready counter) after this rank's
+    # server, which peers may still poll (the mailbox counter) after this rank's
     # connect returned.
     comm = Communicator(mesh, config, keep_alive=owned_store)
     try:
