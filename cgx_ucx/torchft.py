@@ -273,10 +273,16 @@ class ProcessGroupCGX(ProcessGroupWrapper):
         return self._errored
 
     def shutdown(self) -> None:
-        """Release the group without waiting on its peers; ``configure`` may follow."""
+        """Close the group (a BYE to each peer, and a bounded wait for theirs, so that
+        peers still finishing the last collective receive what this rank sent), then
+        release the engine thread and the UCX context; ``configure`` may follow."""
         pg, self._pg = self._pg, None
         if isinstance(pg, _CGXGroup):
-            _release(pg)
+            try:
+                pg.shutdown()
+            except CGXError as exc:
+                log.info("closing a torchft-cgx group: %s", exc)
+                _release(pg)
         self._drop_engine()
 
     def register(self, name: str) -> Any:
