@@ -31,12 +31,18 @@ Semantics:
    error until the next ``configure``.
 3. Reconfiguration tears the previous group down as :meth:`abort` does (without its
    error): torchft configures only between steps, and peers that still hold the old
-   group see this rank leave it, which is what a new quorum means. The engine thread
-   and the UCX context are held from the first ``configure`` to :meth:`shutdown`, so a
-   reconfiguration neither starts threads nor pays UCX's start and stop.
+   group see this rank leave it, which is what a new quorum means (a peer still
+   finishing that group's last collective fails it, does not commit the step, and
+   heals from a group that did); :meth:`shutdown` closes gracefully instead. The
+   engine thread and the UCX context are held from the first ``configure`` to
+   :meth:`shutdown`, so a reconfiguration neither starts threads nor pays UCX's start
+   and stop.
 4. HSDP (a DeviceMesh over torchft's ManagedProcessGroup) needs a group registered
    with torch's functional collectives, which a Python process group cannot serve:
    :meth:`register` raises :class:`~cgx_ucx.errors.ConfigError` saying so.
+
+5. :class:`DistributedDataParallel` is torchft's, with a comm hook that also works once
+   the Manager has recorded an error (torchft 0.2.0's fails inside backward then).
 
 Requires the ``ft`` extra (torchft).
 """
