@@ -39,10 +39,14 @@ async def first_calls(ctx):
 
 
 @pytest.mark.timeout(400)
-def test_cold_cache_and_a_short_timeout_never_fail_the_first_call(tmp_path, monkeypatch):
-    monkeypatch.setenv("CGX_UCX_KERNEL_CACHE", str(tmp_path / "kernels"))
-    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "numba_cache"))
-    results = run_ranks(first_calls, 2, timeout=380)
+def test_cold_cache_and_a_short_timeout_never_fail_the_first_call(tmp_path):
+    # Through the harness's env (set in each child before any import), not this process's
+    # environment: children fork from a server that may have started before this test.
+    env = {
+        "CGX_UCX_KERNEL_CACHE": str(tmp_path / "kernels"),
+        "NUMBA_CACHE_DIR": str(tmp_path / "numba_cache"),
+    }
+    results = run_ranks(first_calls, 2, timeout=380, env=env)
     assert [r[2] for r in results] == [0, 0], "connect compiled codec kernels"
     for i in range(2):
         assert results[0][0][i][0].tobytes() == results[1][0][i][0].tobytes()

@@ -10,9 +10,9 @@ check) and the signature is compiled by one background thread once calls of it h
 :data:`COMPILE_AFTER_VALUES` values: a job compiles only the signatures it uses (a job
 whose only host-side calls are the small ones made while connecting compiles none). A call
 of at least that many values waits for its kernel instead (the reference would take as
-long as the compile), and where the disk cache already holds the kernel, it is loaded at
-the first call (milliseconds). :func:`compiling_here` compiles on the calling thread in
-either mode (:func:`.cpu.warmup`).
+long as the compile), and where the disk cache already holds the kernel, a call of at
+least :data:`LOAD_CACHED_AFTER_VALUES` values loads it (milliseconds). :func:`compiling_here`
+compiles on the calling thread in either mode (:func:`.cpu.warmup`).
 
 Compiled kernels are kept in :func:`cache_dir`, one directory per user, Numba version and
 Python version, shared by every virtual environment of the user. Files are named after a
@@ -45,6 +45,7 @@ from ..config import read_env
 __all__ = [
     "COMPILE_AFTER_VALUES",
     "ENV_KERNEL_CACHE",
+    "LOAD_CACHED_AFTER_VALUES",
     "Kernel",
     "cache_dir",
     "compile_in_background",
@@ -63,6 +64,10 @@ ENV_KERNEL_CACHE = "CGX_UCX_KERNEL_CACHE"
 #: `python -m cgx_ucx.bench codec`, which times both), and a cold compile several seconds
 #: of one core: calls adding up to fewer values cost less than the compile they would start.
 COMPILE_AFTER_VALUES = 1 << 20
+#: Values from which a call loads its kernel from a warm disk cache instead of running the
+#: reference: there the reference takes tens of ms, more than a load; below it, loading
+#: would only add the kernels' memory to a process whose calls are small (connect's own).
+LOAD_CACHED_AFTER_VALUES = 1 << 16
 
 
 def cache_dir(env: Mapping[str, str] | None = None) -> Path:
@@ -264,7 +269,11 @@ class Kernel:
         key = tuple(map(_arg_key, args))
         if key in self._ready:
             return True
-        if not _background or getattr(_here, "on", False) or self._cached_before():
+        if (
+            not _background
+            or getattr(_here, "on", False)
+            or (numel >= LOAD_CACHED_AFTER_VALUES and self._cached_before())
+        ):
             self.compile_signature(key, self.signature(args))
             return True
         with self._lock:
