@@ -48,12 +48,10 @@ BAD = {
               ["--world", "1"], ["--world", TOO_MANY], ["--link-rate", "0"],
               ["--link-rate", "abc"], ["--link-rate", "1gbps"], ["--policies", ""],
               ["--policies", " , "], ["--policies", "none,bogus"]],
+    "memory": [["--calls", "0"], ["--world", "1"], ["--sizes", "0"], ["--bits", "9"],
+               ["--sizes", HUGE], ["--world", TOO_MANY], ["--timeout", "nan"],
+               ["--link-rate", "0"], ["--link-rate", "abc"]],
 }  # fmt: skip
-
-#: The memory benchmark's bad arguments (a row of BAD once BENCHMARKS lists it).
-MEMORY_BAD = [["--calls", "0"], ["--world", "1"], ["--sizes", "0"], ["--bits", "9"],
-              ["--sizes", HUGE], ["--world", TOO_MANY], ["--timeout", "nan"],
-              ["--link-rate", "0"], ["--link-rate", "abc"]]  # fmt: skip
 
 #: The message says why: the limit and where it comes from.
 EXPLAINED = [
@@ -108,15 +106,6 @@ def test_limit_is_explained(name, argv, fragment, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "usage:" in err and fragment in err, err
-
-
-@pytest.mark.parametrize("argv", MEMORY_BAD, ids=str)
-def test_memory_benchmark_bad_argument_is_a_usage_error(argv, capsys):
-    test_bad_argument_is_a_usage_error("memory", argv, capsys)
-
-
-def test_memory_benchmark_help_shows_output_options(capsys):
-    test_help_shows_output_options("memory", capsys)
 
 
 def test_memory_limit_counts_every_buffer(monkeypatch, capsys):

@@ -21,6 +21,7 @@ BENCHMARKS = {
     "latency": "small-call latency hop by hop (torch backend, engine thread, asyncio core)",
     "contention": "DDP step time beside a CPU hog: cgx 4-bit against gloo",
     "train": "training step time and accuracy: compression policies against uncompressed",
+    "memory": "RSS after init, held after all_reduce and peak, per size: gloo against cgx",
 }
 #: Commands that are not benchmarks, by name: the module that runs each.
 TOOLS = {

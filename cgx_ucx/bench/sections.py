@@ -438,6 +438,31 @@ def _gpu_codec(data: dict[str, Any]) -> list[str]:
     return [table(headers, rows), note]
 
 
+def _memory(data: dict[str, Any]) -> list[str]:
+    rows = []
+    for r in data.get("memory", []):
+        staging = r.get("staging_mib") or {}
+        rows.append(
+            [
+                f"{fmt(r.get('size_mib'))} MiB",
+                r.get("method", "-"),
+                fmt(r.get("rss_init_mib")),
+                fmt(r.get("held_over_init_mib")),
+                fmt(r.get("peak_mib")),
+                fmt(staging.get("idle")) if staging else "-",
+                fmt(staging.get("peak")) if staging else "-",
+            ]
+        )
+    headers = ["buffer", "method", "RSS after init", "held after the calls", "peak"]
+    headers += ["staging idle", "staging peak"]
+    note = (
+        f"MiB, rank 0 of {data.get('world', '-')} ranks, link: {data.get('link_rate', '-')}; "
+        f"held: RSS after {data.get('calls', '-')} all_reduces of one tensor, the tensor "
+        "freed, minus RSS after init; peak: the process's high-water mark."
+    )
+    return [table(headers, rows), note]
+
+
 #: Section title by result file name (without ``.json``); others are titled by their name.
 TITLES = {
     "codec": "Codec",
@@ -452,6 +477,7 @@ TITLES = {
     "train": "Compression policies, loopback",
     "train_1gbit": "Compression policies, emulated 1 Gbit/s link",
     "gpu_codec": "GPU codec",
+    "memory": "Memory",
 }
 #: What each result measures, by its file name, else by its benchmark.
 SUMMARIES = {
@@ -479,6 +505,8 @@ SUMMARIES = {
     "against uncompressed.",
     "gpu_codec": "GPU quantization codec (CuPy kernels): codes against the CPU backend, and "
     "throughput next to a device-to-device copy of the same bytes.",
+    "memory": "Host memory of a rank: RSS after init, what stays held after all-reduces once "
+    "the tensor is freed, the peak, and the communicator's own staging, gloo against cgx.",
 }
 #: Markdown blocks of each benchmark's figures, by its ``benchmark`` field.
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
@@ -490,4 +518,5 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "contention": _contention,
     "train": _train,
     "gpu_codec": _gpu_codec,
+    "memory": _memory,
 }
