@@ -187,8 +187,10 @@ class MeshSetup(MeshControl):
         """Who holds this connect up, from the liveness marks in the store (.liveness):
         a sentence naming the rank at fault, or None when the marks do not tell."""
         where = {r: f"{a.host}:{a.port}" for r, a in self._addresses.items()}
+        dialing = self._connect_state()[0] == Phase.DIALING
+        timeout = self.config.connect_timeout
         return await _live.blame(
-            rdzv.mark, self.rank, waiting_on, where, node_id(), self.config.connect_timeout
+            rdzv.mark, self.rank, waiting_on, where, node_id(), timeout, dialing
         )
 
     async def _same_node_processes(self, rdzv: Rendezvous, node: str) -> None:

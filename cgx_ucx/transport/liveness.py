@@ -191,6 +191,7 @@ async def blame(
     where: Mapping[int, str],
     node: str,
     timeout: float,
+    dialing: bool = False,
 ) -> str | None:
     """The sentence naming the rank at fault when this rank's wait on ``waiting_on`` ran
     out, or None when the marks do not tell.
@@ -198,8 +199,8 @@ async def blame(
     Follows the marks (``read``: one rank's, from the store) from the ranks waited for to
     the ones they wait for in turn: the first rank found gone or stopped is at fault; else
     the first live rank still dialing could not reach the peer it dials (at the address
-    in ``where``)."""
-    queue, seen, reads = list(waiting_on), {me}, 0
+    in ``where``). ``dialing``: this rank's own wait is a dial to ``waiting_on``."""
+    queue, seen, reads = [] if dialing else list(waiting_on), {me}, 0
     marks: dict[int, LivenessMark | None] = {}
 
     async def mark(rank: int) -> LivenessMark | None:
@@ -209,6 +210,20 @@ async def blame(
             marks[rank] = await read(rank)
         return marks.get(rank)
 
+    async def unreachable(r: int, targets: tuple[int, ...]) -> str:
+        for t in targets:
+            tm = await mark(t) if t != me else None
+            tv = tm.verdict(node) if tm is not None else None
+            if tm is not None and tv is not None:
+                return lost_text(t, tm, tv, where.get(t, ""))
+        t = targets[0]
+        return (
+            f"rank {r} could not reach rank {t} at {where.get(t, '?')} (published by "
+            f"rank {t}): no answer within {timeout:g} s"
+        )
+
+    if dialing and waiting_on:
+        return await unreachable(me, tuple(waiting_on))
     while queue:
         r = queue.pop(0)
         if r in seen:
@@ -221,15 +236,6 @@ async def blame(
         if verdict is not None:
             return lost_text(r, m, verdict, where.get(r, ""))
         if m.phase == Phase.DIALING and m.pending:
-            for t in m.pending:
-                tm = await mark(t) if t != me else None
-                tv = tm.verdict(node) if tm is not None else None
-                if tm is not None and tv is not None:
-                    return lost_text(t, tm, tv, where.get(t, ""))
-            t = m.pending[0]
-            return (
-                f"rank {r} could not reach rank {t} at {where.get(t, '?')} (published by "
-                f"rank {t}): no answer within {timeout:g} s"
-            )
+            return await unreachable(r, m.pending)
         queue.extend(m.pending)
     return None
