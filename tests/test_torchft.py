@@ -273,3 +273,39 @@ def test_reconfigure_twenty_times_flat() -> None:
 def test_reconfigure_hundred_times_flat() -> None:
     for seen in run_ranks(_reconfigure_many, 2, args=(100,), timeout=300):
         _check_flat(seen, 100)
+
+
+def _groups_on_one_engine(ctx: RankContext, times: int) -> list[dict[str, int]]:
+    """cgx groups made and destroyed while something else keeps the engine loop running
+    (a default group, or an engine held as here): each group starts and stops its own
+    UCX context on that loop."""
+    import torch.distributed as dist
+
+    from cgx_ucx.engine import Engine
+    from cgx_ucx.torch import ProcessGroupCGX as CGXGroup
+
+    server, addr = _store(ctx)
+    host, port = addr.split(":")
+    engine = Engine.get(retain=True)
+    seen = []
+    for i in range(times):
+        store = dist.PrefixStore(f"g{i}", dist.TCPStore(host, int(port), is_master=False))
+        group = CGXGroup(store, ctx.rank, 2)
+        assert _allreduce(group, 1.0) == [2.0, 2.0]
+        group.shutdown()
+        if i == 1:
+            seen.append(_resources())
+    for _ in range(20):
+        last = _resources()
+        if last["fds"] <= seen[0]["fds"] + _fd_slack(times):
+            break
+    seen.append(last)
+    engine.release()
+    del server
+    return seen
+
+
+def test_groups_destroyed_on_a_running_engine_release_their_ucx_context() -> None:
+    """No descriptor (listening sockets, shared memory, UCX's own) outlives its group."""
+    for seen in run_ranks(_groups_on_one_engine, 2, args=(10,), timeout=120):
+        _check_flat(seen, 10)

@@ -31,6 +31,7 @@ import functools
 import logging
 import os
 import time
+import weakref
 from typing import Any
 
 from ..config import ENV_SPIN, spin_mode
@@ -321,10 +322,26 @@ def install(ucxx: Any, loop: asyncio.AbstractEventLoop) -> Progress:
                 t.cancel()
         with contextlib.suppress(ValueError, OSError):  # not registered
             loop.remove_reader(ctx.worker.epoll_file_descriptor)
+        _let_go(old, loop)
     drv = Progress(ctx.worker, loop)
     appctx.ProgressTasks[loop] = drv
     _drivers[loop] = drv
     return drv
+
+
+def _let_go(task: Any, loop: asyncio.AbstractEventLoop) -> None:
+    """Let ucxx's replaced progress task be freed now. It wraps ``loop.close`` in a
+    closure that holds it, hence its worker and the whole UCX context (listener, shared
+    memory), until the loop closes: one leaked context per context made on a long-lived
+    loop. Its finalizers would remove the worker's reader, which is now this driver's."""
+    for ref in weakref.getweakrefs(task):
+        finalizer = getattr(ref, "__callback__", None)
+        if isinstance(finalizer, weakref.finalize):
+            finalizer.detach()
+    rsock = getattr(task, "rsock", None)
+    if rsock is not None:
+        rsock.close()
+    vars(loop).pop("close", None)  # ucxx's wrapper; the class's close is the loop's own
 
 
 def driver(loop: asyncio.AbstractEventLoop) -> Progress | None:
