@@ -333,7 +333,7 @@ def _let_go(task: Any, loop: asyncio.AbstractEventLoop) -> None:
     """Let ucxx's replaced progress task be freed now. It wraps ``loop.close`` in a
     closure that holds it, hence its worker and the whole UCX context (listener, shared
     memory), until the loop closes: one leaked context per context made on a long-lived
-    loop. Its finalizers would remove the worker's reader, which is now this driver's."""
+    loop. Its finalizers would remove the worker's reader, which this driver holds."""
     for ref in weakref.getweakrefs(task):
         finalizer = getattr(ref, "__callback__", None)
         if isinstance(finalizer, weakref.finalize):
