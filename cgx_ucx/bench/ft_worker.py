@@ -225,6 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             net = DistributedDataParallel(manager, model)
             opt = OptimizerWrapper(manager, inner)
+            evaluated = False
             while not _done(args, manager):
                 t0 = time.time()
                 sent0 = _sent(pg)
@@ -244,6 +245,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 if args.step_delay:
                     time.sleep(args.step_delay)
+                if not evaluated and manager.current_step() >= args.steps:
+                    # At --steps exactly, whatever the run does after, so that runs
+                    # that wait longer for a restarted group compare at the same step.
+                    evaluated = True
+                    emit(
+                        event="eval", step=manager.current_step(), eval_loss=_eval_loss(model, task)
+                    )
                 if args.die_at is not None and manager.current_step() >= args.die_at:
                     os.kill(os.getpid(), signal.SIGKILL)  # dies as a killed group does
         emit(
