@@ -63,7 +63,7 @@ case "${CGX_UCX_GPU:-auto}" in
         fi
         ;;
 esac
-_extras="torch,test,bench,examples,docs"
+_extras="torch,test,bench,examples,docs,ft"
 if [ "$_gpu" = 1 ]; then
     _extras="$_extras,gpu"
 fi

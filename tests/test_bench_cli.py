@@ -51,6 +51,9 @@ BAD = {
     "memory": [["--calls", "0"], ["--world", "1"], ["--sizes", "0"], ["--bits", "9"],
                ["--sizes", HUGE], ["--world", TOO_MANY], ["--timeout", "nan"],
                ["--link-rate", "0"], ["--link-rate", "abc"]],
+    "ft": [["--groups", "1"], ["--steps", "0"], ["--kill-at", "50"], ["--ddp-rate", "abc"],
+           ["--diloco-rate", "0"], ["--timeout", "0"], ["--hidden", "0"], ["--sync-every", "0"],
+           ["--threads", "0"], ["--groups", TOO_MANY]],
 }  # fmt: skip
 
 #: The message says why: the limit and where it comes from.

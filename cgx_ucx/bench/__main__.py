@@ -22,6 +22,7 @@ BENCHMARKS = {
     "contention": "DDP step time beside a CPU hog: cgx 4-bit against gloo",
     "train": "training step time and accuracy: compression policies against uncompressed",
     "memory": "RSS after init, held after all_reduce and peak, per size: gloo against cgx",
+    "ft": "torchft fault tolerance: kill and rejoin, DDP per step and DiLoCo, gloo against cgx",
 }
 #: Commands that are not benchmarks, by name: the module that runs each.
 TOOLS = {

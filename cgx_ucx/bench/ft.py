@@ -39,7 +39,18 @@ from pathlib import Path
 from typing import Any
 
 from .ft_jobs import FtJob, Lighthouse, read_reports
-from .report import add_output_args, format_table, results_dir, write_json
+from .link_args import rate_arg
+from .report import (
+    MAX_LOCAL_RANKS,
+    add_output_args,
+    arg_error,
+    count_arg,
+    format_table,
+    positive_number,
+    results_dir,
+    threads_arg,
+    write_json,
+)
 
 __all__ = ["main"]
 
@@ -60,23 +71,40 @@ LIGHTHOUSE_PORT = 29400
 RUN_TIMEOUT_S = 600.0
 
 
+def _rate(text: str) -> str:
+    """An argparse ``type``: a link rate as tc writes it (``1gbit``), checked, kept as text."""
+    rate_arg(text)
+    return text
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m cgx_ucx.bench ft", description=__doc__.split("\n")[0]
     )
-    p.add_argument("--groups", type=int, default=3, help="replica groups")
-    p.add_argument("--hidden", type=int, default=3840, help="MLP width (3840: 22 M parameters)")
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--steps", type=int, default=40, help="DDP steps per run")
-    p.add_argument("--kill-at", type=int, default=10, help="step at which the last group dies")
-    p.add_argument("--diloco-steps", type=int, default=5, help="DiLoCo outer syncs per run")
-    p.add_argument("--sync-every", type=int, default=20, help="DiLoCo inner steps per sync")
-    p.add_argument("--ddp-rate", default="1gbit", help="link rate of the per-step runs")
-    p.add_argument("--diloco-rate", default="100mbit", help="link rate of the DiLoCo runs")
-    p.add_argument("--timeout", type=float, default=60.0, help="collective timeout (s)")
+    groups = count_arg(2, MAX_LOCAL_RANKS - 1, "groups started on this one machine")
+    p.add_argument("--groups", type=groups, default=3, help="replica groups")
+    p.add_argument(
+        "--hidden", type=count_arg(1), default=3840, help="MLP width (3840: 22 M parameters)"
+    )
+    p.add_argument("--batch", type=count_arg(1), default=64)
+    p.add_argument("--steps", type=count_arg(2), default=40, help="DDP steps per run")
+    p.add_argument(
+        "--kill-at", type=count_arg(1), default=10, help="step at which the last group dies"
+    )
+    p.add_argument(
+        "--diloco-steps", type=count_arg(1), default=5, help="DiLoCo outer syncs per run"
+    )
+    p.add_argument(
+        "--sync-every", type=count_arg(1), default=20, help="DiLoCo inner steps per sync"
+    )
+    p.add_argument("--ddp-rate", type=_rate, default="1gbit", help="link rate of the per-step runs")
+    p.add_argument(
+        "--diloco-rate", type=_rate, default="100mbit", help="link rate of the DiLoCo runs"
+    )
+    p.add_argument("--timeout", type=positive_number, default=60.0, help="collective timeout (s)")
     p.add_argument("--only", choices=("ddp", "diloco"), default=None)
     p.add_argument("--no-netns", action="store_true", help="loopback, unshaped (a dry run)")
-    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 4))
+    p.add_argument("--threads", type=threads_arg, default=max(1, (os.cpu_count() or 2) // 4))
     add_output_args(p)
     return p
 
@@ -360,7 +388,10 @@ def _print_tables(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.kill_at >= args.steps:
+        arg_error(parser, "--kill-at", f"must be below --steps ({args.steps}), got {args.kill_at}")
     out_dir = results_dir(args)
     out_dir.mkdir(parents=True, exist_ok=True)
     work = out_dir / "ft_runs"
