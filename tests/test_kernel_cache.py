@@ -150,3 +150,35 @@ def test_a_large_first_call_waits_for_its_kernel_instead_of_the_reference(
     assert out.returncode == 0, out.stderr[-3000:]
     result = __import__("json").loads(out.stdout.splitlines()[-1])
     assert result == {"same": True, "signatures": 1}
+
+
+_MANY_SMALL_CALLS = """
+import json
+import numpy as np
+from cgx_ucx.compression import cpu, encode, kernels
+kernels.compile_in_background()
+x = np.random.default_rng(2).standard_normal(1024).astype(np.float32)
+for _ in range(kernels.COMPILE_AFTER_CALLS - 1):
+    encode(x, 4)
+before = len(cpu._encode_range.dispatcher.signatures)
+encode(x, 4)
+done = kernels.wait_compiled(600)
+print(json.dumps({"before": before, "done": done,
+                  "after": len(cpu._encode_range.dispatcher.signatures)}))
+"""
+
+
+@pytest.mark.timeout(900)
+def test_many_small_calls_get_their_kernel_compiled(tmp_path: Path) -> None:
+    env = {**os.environ, "CGX_UCX_KERNEL_CACHE": str(tmp_path / "kernels")}
+    env.pop("NUMBA_CACHE_DIR", None)
+    out = subprocess.run(
+        [sys.executable, "-c", _MANY_SMALL_CALLS],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = __import__("json").loads(out.stdout.splitlines()[-1])
+    assert result == {"before": 0, "done": True, "after": 1}

@@ -7,12 +7,13 @@ By default a missing one is compiled then, on the calling thread, as Numba does.
 collective must not compile inside a peer's deadline), a small call runs the NumPy
 reference codec instead (:mod:`.reference`, bytes equal to the kernels', which the tests
 check) and the signature is compiled by one background thread once calls of it have moved
-:data:`COMPILE_AFTER_VALUES` values: a job compiles only the signatures it uses (a job
-whose only host-side calls are the small ones made while connecting compiles none). A call
-of at least that many values waits for its kernel instead (the reference would take as
-long as the compile), and where the disk cache already holds the kernel, a call of at
-least :data:`LOAD_CACHED_AFTER_VALUES` values loads it (milliseconds). :func:`compiling_here`
-compiles on the calling thread in either mode (:func:`.cpu.warmup`).
+:data:`COMPILE_AFTER_VALUES` values or made :data:`COMPILE_AFTER_CALLS` calls: a job
+compiles only the signatures it uses (a job whose only host-side calls are the few small
+ones made while connecting compiles none). A call of at least
+:data:`COMPILE_AFTER_VALUES` values waits for its kernel instead (the reference would
+take as long as the compile), and where the disk cache already holds the kernel, a call of
+at least :data:`LOAD_CACHED_AFTER_VALUES` values loads it (milliseconds).
+:func:`compiling_here` compiles on the calling thread in either mode (:func:`.cpu.warmup`).
 
 Compiled kernels are kept in :func:`cache_dir`, one directory per user, Numba version and
 Python version, shared by every virtual environment of the user. Files are named after a
@@ -43,6 +44,7 @@ import numpy as np
 from ..config import read_env
 
 __all__ = [
+    "COMPILE_AFTER_CALLS",
     "COMPILE_AFTER_VALUES",
     "ENV_KERNEL_CACHE",
     "LOAD_CACHED_AFTER_VALUES",
@@ -64,6 +66,10 @@ ENV_KERNEL_CACHE = "CGX_UCX_KERNEL_CACHE"
 #: `python -m cgx_ucx.bench codec`, which times both), and a cold compile several seconds
 #: of one core: calls adding up to fewer values cost less than the compile they would start.
 COMPILE_AFTER_VALUES = 1 << 20
+#: Calls of a signature after which it is compiled whatever their size: a job that makes
+#: many small compressed calls pays the reference's fixed cost (tens of us per call) on
+#: each, while connect's own few calls stay below it.
+COMPILE_AFTER_CALLS = 64
 #: Values from which a call loads its kernel from a warm disk cache instead of running the
 #: reference: there the reference takes tens of ms, more than a load; below it, loading
 #: would only add the kernels' memory to a process whose calls are small (connect's own).
@@ -249,6 +255,7 @@ class Kernel:
         self._queued: set[Any] = set()
         self._failed: set[Any] = set()
         self._moved: dict[Any, int] = {}
+        self._calls: dict[Any, int] = {}
         self._cache_on = False
         self._lock = threading.Lock()
 
@@ -279,7 +286,10 @@ class Kernel:
         with self._lock:
             moved = self._moved.get(key, 0) + max(int(numel), 1)
             self._moved[key] = moved
-            submit = moved >= COMPILE_AFTER_VALUES and key not in self._queued
+            calls = self._calls.get(key, 0) + 1
+            self._calls[key] = calls
+            due = moved >= COMPILE_AFTER_VALUES or calls >= COMPILE_AFTER_CALLS
+            submit = due and key not in self._queued
             if submit:
                 self._queued.add(key)
         if submit:
