@@ -4,6 +4,7 @@ injected in one process (no peers, no race left to chance)."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -70,6 +71,10 @@ def test_an_error_before_submission_is_refused_while_another_thread_submits(
         assert len(other) == 1
         other[0].wait()
         assert sync.submitted == 2  # the other thread's call and this one's refusal
+        # The refusal runs on the engine loop: submitted, not necessarily run yet.
+        end = time.monotonic() + 10.0
+        while not comm.refused and time.monotonic() < end:
+            time.sleep(0.005)
         assert comm.refused == ["allreduce"]
     finally:
         group.shutdown(5.0)
