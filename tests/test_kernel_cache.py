@@ -87,13 +87,15 @@ print(json.dumps({
 """
 
 
-def _run(cache: Path) -> tuple[dict, str]:
+def _run(cache: Path, script: str = _BACKGROUND) -> tuple[dict, str]:
+    """Run ``script`` in a fresh process with ``cache`` as its kernel cache: the JSON of its
+    last line, and the lines before it."""
     import json
 
     env = {**os.environ, "CGX_UCX_KERNEL_CACHE": str(cache)}
     env.pop("NUMBA_CACHE_DIR", None)
     out = subprocess.run(
-        [sys.executable, "-c", _BACKGROUND], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
     )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
@@ -138,17 +140,7 @@ print(json.dumps({
 def test_a_large_first_call_waits_for_its_kernel_instead_of_the_reference(
     tmp_path: Path,
 ) -> None:
-    env = {**os.environ, "CGX_UCX_KERNEL_CACHE": str(tmp_path / "kernels")}
-    env.pop("NUMBA_CACHE_DIR", None)
-    out = subprocess.run(
-        [sys.executable, "-c", _LARGE_FIRST_CALL],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = __import__("json").loads(out.stdout.splitlines()[-1])
+    result, _ = _run(tmp_path / "kernels", _LARGE_FIRST_CALL)
     assert result == {"same": True, "signatures": 1}
 
 
@@ -170,15 +162,5 @@ print(json.dumps({"before": before, "done": done,
 
 @pytest.mark.timeout(900)
 def test_many_small_calls_get_their_kernel_compiled(tmp_path: Path) -> None:
-    env = {**os.environ, "CGX_UCX_KERNEL_CACHE": str(tmp_path / "kernels")}
-    env.pop("NUMBA_CACHE_DIR", None)
-    out = subprocess.run(
-        [sys.executable, "-c", _MANY_SMALL_CALLS],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = __import__("json").loads(out.stdout.splitlines()[-1])
+    result, _ = _run(tmp_path / "kernels", _MANY_SMALL_CALLS)
     assert result == {"before": 0, "done": True, "after": 1}

@@ -210,10 +210,13 @@ def _resources() -> dict[str, int]:
     gc.collect()
     with open("/proc/self/status") as f:
         status = dict(line.split(":", 1) for line in f if ":" in line)
+    # The host codec's compile thread is one per process, started the first time a kernel
+    # is due (compression.kernels), whenever that is: not a thread a reconfiguration leaves.
+    compile_threads = sum(t.name == "cgx-compile" for t in threading.enumerate())
     return {
         "rss_kb": int(status["VmRSS"].split()[0]),
-        "threads": threading.active_count(),
-        "os_threads": int(status["Threads"]),
+        "threads": threading.active_count() - compile_threads,
+        "os_threads": int(status["Threads"]) - compile_threads,
         "fds": len(os.listdir("/proc/self/fd")),
         "sockets": sum(_is_socket(f) for f in os.listdir("/proc/self/fd")),
     }
