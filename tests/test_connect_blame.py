@@ -117,10 +117,10 @@ def test_a_rank_that_dies_after_publishing_is_named_by_every_survivor():
 
 #: Per-wait timeout of the stopped-peer ranks.
 STOP_TIMEOUT = 2.0
-#: close() of a survivor: the bounded 1 s wait for BYEs (the stopped peer sends none) and
-#: the UCX teardown, with room for a loaded machine; a peer that blocks the teardown
-#: would hold it for minutes.
-STOP_CLOSE_LIMIT = 5.0
+#: close() of a survivor: no wait for the BYE of a peer that did not answer a status
+#: request (0.3 s measured on 2 loaded cores, against 1.5-3.9 s while close waited for
+#: it); a peer that blocks the teardown would hold it for minutes.
+STOP_CLOSE_LIMIT = 2.0
 #: From close() returning to the process being gone, as tests/test_chaos.py bounds it:
 #: Python's own finalization takes seconds on a loaded machine; this catches a hang.
 STOP_EXIT_LIMIT = 15.0

@@ -91,6 +91,7 @@ class MeshControl(MeshState):
 
     def _on_control(self, p: Peer, frame: Frame, reason: str) -> bool:
         """Act on one control frame; False ends the control loop."""
+        p.silent = False  # it speaks again (a stopped process continued)
         if frame.kind == Kind.BYE:
             p.bye, p.bye_seq = True, frame.seq
             self._bye_seen()
@@ -247,6 +248,9 @@ class MeshControl(MeshState):
         asked = [r for r, p in self.peers.items() if p.lost is None and p.ctrl is not None]
         answers = await asyncio.gather(*(self._status_of(r) for r in {rank, *asked}))
         statuses = {st.rank: st for st in answers}
+        for st in answers:
+            if not (st.answered or st.gone):
+                self.peers[st.rank].silent = True
         status = statuses[rank]
         exc = CGXTimeoutError(
             f"rank {self.rank}: rank {rank} did not complete {what} within "

@@ -29,6 +29,7 @@ class Peer:
         "lost",
         "process",
         "rank",
+        "silent",
         "status",
     )
 
@@ -55,3 +56,6 @@ class Peer:
         #: so answer n says that it read every control frame sent before request n.
         self.asks = 0
         self.answers = 0
+        #: It did not answer a status request while its host did (stopped, or its
+        #: loop blocked): close() does not wait for its BYE.
+        self.silent = False

@@ -158,18 +158,21 @@ class MeshState:
             raise copy_error(exc)
 
     def _bye_seen(self) -> None:
-        """Resolve what :meth:`close` waits for: every peer said BYE or is lost
-        (``_bye_fut``), or answered the STATUS_REQUEST sent after our ABORTs
+        """Resolve what :meth:`close` waits for: every peer said BYE, is lost or went
+        silent (``_bye_fut``), or answered the STATUS_REQUEST sent after our ABORTs
         (``_read_fut``)."""
         peers = self.peers.values()
         fut = self._bye_fut
-        if fut is not None and not fut.done() and all(q.bye or q.lost is not None for q in peers):
+        done = all(q.bye or q.lost is not None or q.silent for q in peers)
+        if fut is not None and not fut.done() and done:
             fut.set_result(None)
         fut, marks = self._read_fut, self._read_marks
         if (
             fut is not None
             and not fut.done()
-            and all(q.bye or q.lost is not None or q.answers >= marks[q.rank] for q in peers)
+            and all(
+                q.bye or q.lost is not None or q.silent or q.answers >= marks[q.rank] for q in peers
+            )
         ):
             fut.set_result(None)
 
