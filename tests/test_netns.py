@@ -667,7 +667,11 @@ async def main():
     comm = await connect(config=CommConfig(timeout=float(sys.argv[1]), connect_timeout=60))
     x = np.ones(1 << 18, np.float32)
     await comm.allreduce(x, bits=4, algorithm="hierarchical")
+    await comm.barrier()
     if os.environ["GROUP_RANK"] == "1":
+        # Every rank is past the barrier by now (it returns on a rank before its last
+        # message has reached the others): the node then dies between two calls.
+        await asyncio.sleep(1.0)
         os._exit(0)  # the whole node goes away: no goodbye, endpoints left open
     start = time.monotonic()
     try:
