@@ -136,3 +136,30 @@ def test_ddp_peers_target_needs_every_cgx_variant_ahead_of_every_peer() -> None:
     assert not failed["met"] and "failed: cgx-backend" in failed["text"]
     bypassed = [dict(peers[0], tx_bytes_per_step=[100.0, 100.0]), *peers[1:]]
     assert not summarize([*bypassed, row("cgx-hook", 0.08)])["checks"]["gloo crossed the link"]
+
+
+def test_powersgd_on_cuda_starts_a_bucket_after_the_previous_one_finished() -> None:
+    """Two buckets in flight let two ranks issue PowerSGD's collectives in different
+    orders under gloo on CUDA; the wrapper starts a bucket only once the last one is done."""
+    import threading
+
+    torch = pytest.importorskip("torch")
+    from cgx_ucx.bench.ddp_peers import _one_bucket_at_a_time
+
+    events: list[tuple[str, int]] = []
+
+    def hook(state: object, bucket: int) -> object:
+        fut = torch.futures.Future()
+        events.append(("start", bucket))
+
+        def finish() -> None:
+            events.append(("done", bucket))
+            fut.set_result(bucket)
+
+        threading.Timer(0.05, finish).start()
+        return fut
+
+    serialized = _one_bucket_at_a_time(hook)
+    serialized(None, 0)
+    assert serialized(None, 1).wait() == 1
+    assert events == [("start", 0), ("done", 0), ("start", 1), ("done", 1)]

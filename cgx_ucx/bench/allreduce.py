@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from ..compression.kernels import settle as settle_kernels
 from .report import (
     HelpFormatter,
     Progress,
@@ -117,7 +118,10 @@ async def _rank_main(
                         await comm.allreduce(x, bits=bits, algorithm=opts["algorithm"])
 
                 x[:] = x0
-                await op()  # warm-up (JIT, first-touch of staging buffers)
+                await op()  # warm-up (first-touch of staging buffers)
+                # ...and the kernels it queued compiled: timed calls run them, not the
+                # NumPy reference (first calls are what ``bench latency --cold`` times).
+                await asyncio.to_thread(settle_kernels, 600)
                 x[:] = x0
                 await comm.barrier()
                 dist.barrier()

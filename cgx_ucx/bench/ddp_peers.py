@@ -11,16 +11,18 @@ on the same link, with the same model, data and seeds:
 - ``fp16``: gloo with ``fp16_compress_hook``;
 - ``powersgd1``, ``powersgd4``: gloo with ``powerSGD_hook`` at rank 1 and 4 (error
   feedback and warm start, PyTorch's defaults; compression from the second step on, so
-  every timed step is compressed);
+  every timed step is compressed; on CUDA one bucket at a time, see
+  :func:`_one_bucket_at_a_time`);
 - ``cgx-backend``: DDP on the ``cgx`` backend, every bucket quantized at ``--bits``
   (through the ``CGX_COMPRESSION_*`` variables, as a user of the backend sets them);
 - ``cgx-hook``: DDP on ``cgx`` with ``cgx_hook`` at ``--bits`` (layers under 1024
   values, the biases, go uncompressed).
 
-Per method: the median step time after ``--warmup`` untimed steps (forward, backward and
-optimizer, the device synchronized), the bytes each rank's shaped device sent per step,
-the loss of the trained model on a held-out batch, and whether the two replicas ended
-bit-identical (a SHA-256 of every parameter's bytes, compared across ranks).
+Per method: the median step time after ``--warmup`` untimed steps and the compiles of the
+codec kernels they queued (forward, backward and optimizer, the device synchronized), the
+bytes each rank's shaped device sent per step, the loss of the trained model on a held-out
+batch, and whether the two replicas ended bit-identical (a SHA-256 of every parameter's
+bytes, compared across ranks).
 
 On CUDA every rank gets ``UCX_TLS=tcp,cuda_copy``: TCP over the shaped device, device
 memory staged through the host. Without it UCX would join the two processes of one GPU
@@ -50,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CGXError
+from .link_worker import end_warmup
 from .report import (
     HelpFormatter,
     add_output_args,
@@ -103,7 +106,26 @@ def _digest(params: Any) -> str:
     return h.hexdigest()
 
 
-def _register_hook(ddp: Any, method: str, args: argparse.Namespace) -> Any:
+def _one_bucket_at_a_time(hook: Any) -> Any:
+    """``hook``, with each bucket's collectives started only after the previous bucket's
+    have finished. PowerSGD issues its second allreduce from the first one's callback;
+    gloo completes CUDA work on its own threads, so with several buckets in flight the
+    two ranks issued the collectives of different buckets in different orders (gloo
+    aborted: "Received data size doesn't match expected size"). One bucket at a time
+    keeps the order the same on every rank; PowerSGD's traffic is a few hundred KiB per
+    step, so it loses little overlap."""
+    last: list[Any] = [None]
+
+    def serialized(state: Any, bucket: Any) -> Any:
+        if last[0] is not None:
+            last[0].wait()
+        last[0] = hook(state, bucket)
+        return last[0]
+
+    return serialized
+
+
+def _register_hook(ddp: Any, method: str, args: argparse.Namespace, cuda: bool) -> Any:
     """Register ``method``'s comm hook on ``ddp``; returns its state (None: no hook)."""
     if method == "fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -118,7 +140,10 @@ def _register_hook(ddp: Any, method: str, args: argparse.Namespace) -> Any:
             matrix_approximation_rank=int(method.removeprefix("powersgd")),
             start_powerSGD_iter=POWERSGD_START_ITER,
         )
-        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        hook = powerSGD_hook.powerSGD_hook
+        if cuda:
+            hook = _one_bucket_at_a_time(hook)
+        ddp.register_comm_hook(state, hook)
         return state
     if method == "cgx-hook":
         from .. import torch as cgx_torch
@@ -161,7 +186,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     model = model.to(dev)
     data = [(x.to(dev), y.to(dev)) for x, y in data]
     ddp = DDP(model, device_ids=[0] if cuda else None)
-    _register_hook(ddp, method, args)
+    _register_hook(ddp, method, args, cuda)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
 
     def sync() -> None:
@@ -174,6 +199,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     for step, (x, y) in enumerate(data):
         if step == args.warmup:
             sync()
+            end_warmup(args.timeout)
             tx_start = _tx_bytes()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)

@@ -9,7 +9,10 @@ barrier (the ranks agree on the number of iterations). Per iteration the rank re
 wall time and the bytes its shaped device sent (``/sys/class/net/<dev>/statistics/
 tx_bytes``: what really went on the wire). The first
 iteration of each (size, method) is a warm-up, kept out of the timing and used to check the
-numbers: gloo's result is the reference; cgx_ucx's error against it is recorded.
+numbers: gloo's result is the reference; cgx_ucx's error against it is recorded. The
+warm-up ends when the codec kernels it queued are compiled: timed calls measure the steady
+state, not the NumPy reference that runs meanwhile (``bench latency --cold`` measures
+first calls).
 
 ``train``: DDP on an MLP of tens of millions of parameters, either on gloo or on the ``cgx``
 backend with ``cgx_hook``; step times, wire bytes per step, the loss curve and the loss of
@@ -55,6 +58,19 @@ def _env_int(name: str) -> int:
         return int(os.environ[name])
     except (KeyError, ValueError):
         sys.exit(f"link_worker: {name} must be set to an integer (run by cgx_ucx.bench.link)")
+
+
+def end_warmup(timeout: float) -> None:
+    """End a training benchmark's warm-up on every rank of the default group: wait until
+    the codec kernels its steps queued are compiled (timed steps then run them, not the
+    NumPy reference), then a barrier, so that no rank's first timed step waits for
+    another's compile."""
+    import torch.distributed as dist
+
+    from ..compression.kernels import settle
+
+    settle(timeout)
+    dist.barrier()
 
 
 def _tx_bytes() -> int:
@@ -180,6 +196,8 @@ async def _allreduce_job(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
+    from ..compression.kernels import settle as settle_kernels
+
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     store = _store(rank, world, args.timeout)
@@ -282,8 +300,10 @@ async def _allreduce_job(args: argparse.Namespace) -> dict[str, Any]:
                     if it == 0:  # warm-up: check the numbers instead of timing
                         if method == "gloo":
                             ref = buf.copy()
-                        elif ref is not None:
-                            err = _error(buf, ref)
+                        else:
+                            if ref is not None:
+                                err = _error(buf, ref)
+                            await asyncio.to_thread(settle_kernels, args.timeout)
                     else:
                         times.append(dt)
                         cpu.append(dc)
@@ -456,6 +476,7 @@ def _train_job(args: argparse.Namespace) -> dict[str, Any]:
     iface_start: dict[str, list[int]] = {}
     for step, (x, y) in enumerate(data):
         if step == args.warmup:
+            end_warmup(args.timeout)
             tx_start = _tx_bytes()
             iface_start = _iface_bytes()
         t0 = time.perf_counter()
@@ -548,6 +569,7 @@ def _fsdp_job(args: argparse.Namespace) -> dict[str, Any]:
     stats_start = None
     for step, (x, y) in enumerate(data):
         if step == args.warmup:
+            end_warmup(args.timeout)
             tx_start = _tx_bytes()
             stats_start = comm.stats if comm is not None else None
         t0 = time.perf_counter()

@@ -52,6 +52,7 @@ __all__ = [
     "cache_dir",
     "compile_in_background",
     "compiling_here",
+    "settle",
     "source_digest",
     "wait_compiled",
 ]
@@ -237,6 +238,14 @@ def compiling_here() -> Iterator[None]:
 def wait_compiled(timeout: float | None = None) -> bool:
     """Wait until every queued signature is compiled; False if ``timeout`` passed first."""
     return _compiler.wait(timeout)
+
+
+def settle(timeout: float) -> None:
+    """Wait until every signature queued so far is compiled, so that later calls run the
+    kernels rather than the NumPy reference: a benchmark's warm-up ends here. Raises
+    :class:`TimeoutError` if that takes longer than ``timeout`` seconds."""
+    if not wait_compiled(timeout):
+        raise TimeoutError(f"the codec's kernels were not compiled within {timeout:g} s")
 
 
 class Kernel:
