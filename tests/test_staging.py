@@ -1,17 +1,18 @@
-"""Staging memory is bounded: a communicator keeps at most its cap idle between calls,
-size classes waste little, dropped host buffers go back to the system, and results do
-not depend on the cap."""
+"""Staging memory is bounded: a communicator reuses its staging while calls keep coming
+and keeps at most its cap idle once they stop, size classes waste little, dropped host
+buffers go back to the system, and results do not depend on the cap."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import time
 
 import numpy as np
 import pytest
 from test_collectives_unit import FakeNetwork, _as_transport
 
-from cgx_ucx.collectives import Communicator
+from cgx_ucx.collectives import Communicator, staging
 from cgx_ucx.collectives.staging import (
     DEFAULT_CAP_BYTES,
     FINE_CLASS_BYTES,
@@ -40,7 +41,21 @@ def test_size_class_fits_and_wastes_little(n):
         assert c & (c - 1) == 0
 
 
-def test_idle_bytes_stay_within_the_cap():
+@pytest.fixture
+def quick_release(monkeypatch):
+    """A release delay of 0.1 s instead of the default's second."""
+    monkeypatch.setattr(staging, "RELEASE_AFTER_S", 0.1)
+    return 0.1
+
+
+def _wait_idle(pool: BufferPool, at_most: int, limit_s: float = 5.0) -> dict:
+    end = time.monotonic() + limit_s
+    while pool.usage()["idle"] > at_most and time.monotonic() < end:
+        time.sleep(0.01)
+    return pool.usage()
+
+
+def test_idle_bytes_come_down_to_the_cap_once_calls_stop(quick_release):
     pool = BufferPool(4 * MiB)
     like = np.empty(0, np.float32)
     taken = [pool.take(MiB + 100, like) for _ in range(10)]
@@ -50,21 +65,41 @@ def test_idle_bytes_stay_within_the_cap():
     for b in taken:
         pool.give(b)
     u = pool.usage()
-    assert u["held"] == 0
+    assert u["held"] == 0 and u["idle"] >= 10 * (MiB + 100)  # kept for the next call
+    again = [pool.take(MiB + 100, like) for _ in range(10)]  # served from what was kept
+    assert pool.usage()["idle"] == 0 and pool.usage()["peak"] == u["peak"]
+    for b in again:
+        pool.give(b)
+    u = _wait_idle(pool, 4 * MiB)
     assert 0 < u["idle"] <= 4 * MiB
     assert u["peak"] >= 10 * (MiB + 100)
-    again = pool.take(MiB + 100, like)  # served from what was kept
-    assert pool.usage()["idle"] < u["idle"]
-    pool.give(again)
 
 
-def test_a_cap_of_zero_keeps_nothing_and_foreign_arrays_are_ignored():
+def test_calls_that_keep_coming_keep_their_staging(quick_release):
+    """No release while the pool is used more often than its delay: no call pays for
+    fresh pages in a loop."""
+    pool = BufferPool(0)
+    like = np.empty(0, np.uint8)
+    first = pool.take(3 * MiB, like)
+    end = time.monotonic() + 4 * quick_release
+    while time.monotonic() < end:
+        pool.give(first)
+        first = pool.take(3 * MiB, like)
+        assert pool.usage()["peak"] <= size_class(3 * MiB)  # the same buffer each time
+        time.sleep(quick_release / 5)
+    pool.give(first)
+    assert pool.usage()["idle"] > 0
+    assert _wait_idle(pool, 0)["idle"] == 0
+
+
+def test_a_cap_of_zero_keeps_nothing_and_foreign_arrays_are_ignored(quick_release):
     pool = BufferPool(0)
     like = np.empty(0, np.uint8)
     pool.give(pool.take(3 * MiB, like))
     pool.give(np.empty(1000, np.uint8))
     pool.give(np.empty(MiB, np.uint8))  # a class size, but not one the pool lent
-    assert pool.usage()["idle"] == 0
+    assert pool.usage()["idle"] == size_class(3 * MiB)
+    assert _wait_idle(pool, 0)["idle"] == 0
     with pytest.raises(ConfigError):
         BufferPool(-1)
 
@@ -77,7 +112,7 @@ def _rss_mib() -> float:
     raise AssertionError("no VmRSS")
 
 
-def test_a_dropped_host_buffer_goes_back_to_the_system():
+def test_a_dropped_host_buffer_goes_back_to_the_system(quick_release):
     assert 64 * MiB > MAP_MIN_BYTES
     pool = BufferPool(0)
     buf = pool.take(64 * MiB, np.empty(0, np.uint8))
@@ -85,19 +120,23 @@ def test_a_dropped_host_buffer_goes_back_to_the_system():
     before = _rss_mib()
     pool.give(buf)
     del buf
+    assert _wait_idle(pool, 0)["idle"] == 0
     gc.collect()
     assert before - _rss_mib() > 48
 
 
-def test_segment_pool_keeps_at_most_its_bytes():
+def test_segment_pool_keeps_at_most_its_bytes_and_trims_to_less():
     if not shm.available():
         pytest.skip("no memfd")
-    pool = shm.SegmentPool(MiB)
-    segs = [pool.take(MiB) for _ in range(3)]
+    pool = shm.SegmentPool(4 * MiB)
+    segs = [pool.take(MiB) for _ in range(5)]
     for s in segs:
         pool.give(s)
+    assert pool.idle_bytes == 4 * MiB
+    assert sum(s._map is None for s in segs) == 1  # closed: over the bytes kept
+    pool.trim(MiB)
     assert pool.idle_bytes == MiB
-    assert sum(s._map is None for s in segs) == 2  # the closed ones
+    assert sum(s._map is None for s in segs) == 4
     pool.clear()
 
 
@@ -132,7 +171,10 @@ def _allreduce_world(cap_mb: int, bits: int, n: int) -> tuple[list[np.ndarray], 
                         for c, x in zip(comms, xs, strict=True)
                     )
                 )
-            return xs, [c._pool.usage() for c in comms]
+            pools = [c._pool for c in comms]
+            for p in pools:  # once the calls stop, what is idle comes down to the cap
+                _wait_idle(p, cfg.staging_bytes)
+            return xs, [p.usage() for p in pools]
         finally:
             for c in comms:
                 await c.close()
@@ -141,7 +183,7 @@ def _allreduce_world(cap_mb: int, bits: int, n: int) -> tuple[list[np.ndarray], 
 
 
 @pytest.mark.parametrize("bits", [4, 32])
-def test_results_do_not_depend_on_the_cap_and_idle_staging_stays_within_it(bits):
+def test_results_do_not_depend_on_the_cap_and_idle_staging_comes_down_to_it(bits, quick_release):
     n = 6 * MiB // 4  # 6 MiB of float32: pieces of megabytes, several per chunk
     bounded, usage = _allreduce_world(0, bits, n)
     roomy, roomy_usage = _allreduce_world(256, bits, n)

@@ -12,7 +12,9 @@ inherits another's memory. Each rank:
    ``CGX_COMPRESSION_QUANTIZATION_BITS``) and records its RSS after one barrier;
 2. makes one random tensor of the size and a clone of it (the clone is reduced);
 3. runs ``--calls`` ``all_reduce`` calls of the clone, recording RSS after each;
-4. frees the clone and records the RSS it still holds, and its peak (``VmHWM``) from
+4. frees the clone, waits :data:`HELD_AFTER_S` (past the staging pool's release delay,
+   :data:`cgx_ucx.collectives.staging.RELEASE_AFTER_S`; every method waits alike) and
+   records the RSS it still holds, and its peak (``VmHWM``) from
    the end of step 1 on (``peak_init_mib``: the peak of step 1 itself, which holds
    one-off costs such as compiling kernels).
 
@@ -73,6 +75,9 @@ RESULT_TAG = "CGX_MEMORY_RESULT "
 #: INIT_SLACK_MIB.
 HELD_SLACK = 0.25
 PEAK_SLACK = 0.5
+#: Seconds between freeing the clone and reading the RSS held: the staging pool's
+#: release delay and a margin.
+HELD_AFTER_S = 2.0
 INIT_SLACK_MIB = 100
 TARGET_MIN_MIB = 256
 
@@ -137,9 +142,12 @@ def _worker(method: str, size_mib: float, calls: int) -> int:
         after.append(_status_mib("VmRSS"))
     rec["rss_after_calls_mib"] = after
     rec["call_s"] = seconds
-    staging = _staging(comm)
     del clone
     gc.collect()
+    # Held between calls: after the pool's release delay (idle staging over the cap goes
+    # back once no call used it for that long), the same wait for every method.
+    time.sleep(HELD_AFTER_S)
+    staging = _staging(comm)
     rec["rss_held_mib"] = _status_mib("VmRSS")
     rec["peak_mib"] = _status_mib("VmHWM")
     rec["staging_mib"] = staging

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mmap
 import threading
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -21,6 +22,7 @@ from ..transport.shm import Descriptor, PeerSegments, Segment, SegmentPool
 
 __all__ = [
     "DEFAULT_CAP_BYTES",
+    "RELEASE_AFTER_S",
     "BufferPool",
     "as_flat",
     "byte_view",
@@ -64,6 +66,13 @@ def synchronize(x: Any) -> None:
 #: Staging kept idle between calls where no cap is given (``CommConfig.staging_mb``,
 #: ``CGX_UCX_STAGING_MB``).
 DEFAULT_CAP_BYTES = DEFAULT_STAGING_MB << 20
+#: Idle staging over the cap goes back to the system once the pool has gone this long
+#: without a call taking or giving any: a loop that calls again sooner (training steps)
+#: keeps its working set, so no call pays for fresh pages or new shared segments (the
+#: two-level allreduce of 64 MiB on 2x2 ranks took 2.6x the CPU when a 32 MiB cap
+#: released its segments after every call), while what a one-off large call grew is
+#: returned soon after it.
+RELEASE_AFTER_S = 1.0
 #: Host buffers of at least this many bytes are mappings of their own (``mmap``), so
 #: that a buffer the pool drops goes back to the system at once: the C allocator keeps
 #: freed blocks below its (adaptive, up to 32 MiB) mmap threshold in its heap.
@@ -100,12 +109,13 @@ def _host_buffer(size: int) -> np.ndarray:
 class BufferPool:
     """Staging buffers reused across collectives (no per-call allocation on the hot path).
 
-    Buffers are kept by size class (:func:`size_class`) and device kind. At most
-    ``cap_bytes`` stay idle between calls, over all classes and shared segments apart
-    (the segments have a cap of the same size): a call that needs more allocates the
-    rest and releases it when it returns, so what a communicator holds does not grow
-    with the largest buffer it ever reduced. A buffer taken by a collective that failed
-    is simply not given back (UCX may still own it).
+    Buffers are kept by size class (:func:`size_class`) and device kind, and reused by
+    the next calls. Once no call has taken or given any for :data:`RELEASE_AFTER_S`, at
+    most ``cap_bytes`` stay idle (shared segments apart: they have a cap of the same
+    size), and the node peers' segments this rank mapped are unmapped: what a
+    communicator holds between bursts of calls does not grow with the largest buffer it
+    ever reduced. A buffer taken by a collective that failed is simply not given back
+    (UCX may still own it).
     """
 
     #: Idle buffers kept per size class and kind: one 64 MiB SRA call on 2 ranks takes
@@ -124,21 +134,68 @@ class BufferPool:
         self._lock = threading.Lock()
         #: Node-local shared memory (host buffers of the two-level allreduce): this
         #: rank's segments, and the node peers' it has mapped.
-        self.segments = SegmentPool(self.cap_bytes)
+        self.segments = SegmentPool()
         self._peer_segments: PeerSegments | None = None
+        self._last_use = time.monotonic()
+        self._timer: threading.Timer | None = None
+        #: ids of the buffers taken and not given back (each alive: its taker holds it).
+        self._lent: set[int] = set()
 
     def take_segment(self, nbytes: int) -> Segment:
         """A shared segment of at least ``nbytes`` (:meth:`give_segment` it back)."""
+        self._last_use = time.monotonic()
         return self.segments.take(nbytes)
 
     def give_segment(self, seg: Segment) -> None:
         self.segments.give(seg)
+        self._used()
 
     def peer_view(self, rank: int, peer: int, desc: Descriptor) -> Any:
         """Node peer ``peer``'s bytes that ``desc`` names, mapped read-only (no copy)."""
         if self._peer_segments is None:
             self._peer_segments = PeerSegments(rank)
-        return self._peer_segments.view(peer, desc)
+        view = self._peer_segments.view(peer, desc)
+        self._used()
+        return view
+
+    def _used(self) -> None:
+        """Note a use; make sure a release is due :data:`RELEASE_AFTER_S` after the last."""
+        with self._lock:
+            self._last_use = time.monotonic()
+            if self._timer is None:
+                self._arm(RELEASE_AFTER_S)
+
+    def _arm(self, delay: float) -> None:
+        timer = threading.Timer(delay, self._release_idle)
+        timer.daemon = True
+        timer.name = "cgx-staging-release"
+        self._timer = timer
+        timer.start()
+
+    def _release_idle(self) -> None:
+        """Timer: once the pool has been unused for RELEASE_AFTER_S, trim what is idle to
+        the cap and unmap the peers' segments; earlier, wait for the rest of the time."""
+        with self._lock:
+            quiet = time.monotonic() - self._last_use
+            if quiet < RELEASE_AFTER_S:
+                self._arm(RELEASE_AFTER_S - quiet)
+                return
+            self._timer = None
+            drop = self._trim_locked()
+        del drop  # host buffers unmap here, outside the lock
+        self.segments.trim(self.cap_bytes)
+        if self._peer_segments is not None:
+            self._peer_segments.clear()
+
+    def _trim_locked(self) -> list[Any]:
+        """Take idle buffers out, largest first, until the idle bytes fit the cap."""
+        drop: list[Any] = []
+        for key in sorted(self._free, key=lambda k: k[1], reverse=True):
+            free = self._free[key]
+            while free and self._idle_bytes > self.cap_bytes:
+                drop.append(free.pop())
+                self._idle_bytes -= key[1]
+        return drop
 
     def take(self, nbytes: int, like: Any) -> Any:
         """``nbytes`` of uint8 staging on ``like``'s device (contents undefined)."""
@@ -146,29 +203,37 @@ class BufferPool:
         size = size_class(nbytes)
         key = ("cupy" if cupy else "numpy", size)
         with self._lock:
+            self._last_use = time.monotonic()
             self._held_bytes += size
             free = self._free.get(key)
             if free:
                 self._idle_bytes -= size
-                return free.pop()[:nbytes]
+                buf = free.pop()
+                self._lent.add(id(buf))
+                return buf[:nbytes]
             self._peak_bytes = max(self._peak_bytes, self._held_bytes + self._idle_bytes)
         buf = xp_of(like).empty(size, np.uint8) if cupy else _host_buffer(size)
+        with self._lock:
+            self._lent.add(id(buf))
         return buf[:nbytes]
 
     def give(self, buf: Any) -> None:
-        """Return a buffer from :meth:`take` (anything else is ignored); kept for the next
-        calls while the idle bytes stay within the cap, else released."""
+        """Return a buffer from :meth:`take` (anything else, and a second return, is
+        ignored); kept for the next calls (up to :attr:`KEEP` per class) until the pool
+        goes unused (class doc)."""
         base = owner(buf)
         kind = "cupy" if is_cupy(base) else "numpy"
         size = base.size
-        if base.dtype != np.uint8 or size_class(size) != size:  # not one of ours
-            return
         with self._lock:
+            if id(base) not in self._lent:  # not one of ours (or given back already)
+                return
+            self._lent.discard(id(base))
             self._held_bytes = max(self._held_bytes - size, 0)
             free = self._free[(kind, size)]
-            if len(free) < self.KEEP and self._idle_bytes + size <= self.cap_bytes:
+            if len(free) < self.KEEP:
                 free.append(base)
                 self._idle_bytes += size
+        self._used()
 
     def usage(self) -> dict[str, int]:
         """Staging bytes: ``held`` by collectives in progress, ``idle`` kept for the next ones,
@@ -187,6 +252,9 @@ class BufferPool:
         with self._lock:
             self._free.clear()
             self._idle_bytes = 0
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
         self.segments.clear()
         if self._peer_segments is not None:
             self._peer_segments.clear()

@@ -158,9 +158,11 @@ class SegmentPool:
     """Segments reused across collectives, by power-of-two size (as :class:`BufferPool`).
 
     :meth:`take` returns a segment of at least ``nbytes``; :meth:`give` puts it back once
-    no peer reads it any more. Idle segments are bounded in count and in bytes
-    (``keep_bytes``): a segment given back beyond that is closed, so the memory a large
-    call grew goes back to the system once no peer maps it.
+    no peer reads it any more. Idle segments are bounded in count per size (:attr:`KEEP`)
+    and in bytes (``keep_bytes``): a segment given back beyond that is closed.
+    :meth:`trim` closes idle ones down to a smaller bound (the staging pool does, once it
+    has gone unused for a while), so the memory a large call grew goes back to the system
+    once no peer maps it.
     """
 
     KEEP = 8
@@ -189,6 +191,18 @@ class SegmentPool:
                 self._idle_bytes += seg.size
                 return
         seg.close()
+
+    def trim(self, keep_bytes: int) -> None:
+        """Close idle segments, largest first, until at most ``keep_bytes`` stay idle."""
+        drop: list[Segment] = []
+        with self._lock:
+            for size in sorted(self._free, reverse=True):
+                free = self._free[size]
+                while free and self._idle_bytes > keep_bytes:
+                    drop.append(free.pop())
+                    self._idle_bytes -= size
+        for seg in drop:
+            seg.close()
 
     @property
     def idle_bytes(self) -> int:
@@ -221,9 +235,14 @@ class PeerSegments:
         self._maps: collections.OrderedDict[tuple[int, int, int], tuple[mmap.mmap, np.ndarray]]
         self._maps = collections.OrderedDict()
         self._bytes = 0
+        self._lock = threading.Lock()  # clear() may come from the staging pool's timer
 
     def view(self, peer: int, desc: Descriptor) -> np.ndarray:
         """The ``desc.nbytes`` bytes ``desc`` names, read-only, without a copy."""
+        with self._lock:
+            return self._view(peer, desc)
+
+    def _view(self, peer: int, desc: Descriptor) -> np.ndarray:
         key = (peer, desc.pid, desc.serial)
         entry = self._maps.get(key)
         if entry is None:
@@ -249,9 +268,10 @@ class PeerSegments:
         return map_peer(self.rank, peer, desc)
 
     def clear(self) -> None:
-        maps = [m for m, _ in self._maps.values()]
-        self._maps.clear()
-        self._bytes = 0
+        with self._lock:
+            maps = [m for m, _ in self._maps.values()]
+            self._maps.clear()
+            self._bytes = 0
         for m in maps:
             _close_map(m)
 
