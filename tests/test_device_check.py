@@ -163,3 +163,34 @@ def test_powersgd_on_cuda_starts_a_bucket_after_the_previous_one_finished() -> N
     serialized(None, 0)
     assert serialized(None, 1).wait() == 1
     assert events == [("start", 0), ("done", 0), ("start", 1), ("done", 1)]
+
+
+_POWERSGD_DDP = """
+import os, tempfile
+import torch, torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+from cgx_ucx.bench.ddp_peers import _one_bucket_at_a_time
+
+store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+torch.manual_seed(0)
+model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)),
+            bucket_cap_mb=0.01)  # several buckets
+state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+model.register_comm_hook(state, _one_bucket_at_a_time(powerSGD_hook.powerSGD_hook))
+for step in range(4):
+    model(torch.randn(16, 64)).sum().backward()
+print("steps", state.iter)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_serialized_powersgd_hook_is_accepted_and_runs_under_ddp() -> None:
+    pytest.importorskip("torch")
+    out = subprocess.run(
+        [sys.executable, "-c", _POWERSGD_DDP], capture_output=True, text=True, timeout=100
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "steps 4" in out.stdout, out.stdout

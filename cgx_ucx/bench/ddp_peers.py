@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import hashlib
 import json
 import os
@@ -116,6 +117,7 @@ def _one_bucket_at_a_time(hook: Any) -> Any:
     step, so it loses little overlap."""
     last: list[Any] = [None]
 
+    @functools.wraps(hook)  # DDP checks the hook's signature (GradBucket -> Future)
     def serialized(state: Any, bucket: Any) -> Any:
         if last[0] is not None:
             last[0].wait()
