@@ -438,6 +438,62 @@ def _gpu_codec(data: dict[str, Any]) -> list[str]:
     return [table(headers, rows), note]
 
 
+def _ddp_peers(data: dict[str, Any]) -> list[str]:
+    rows = []
+    for r in data.get("rows", []):
+        if "error" in r:
+            rows.append([r.get("method", "-"), "failed", "-", "-", "-", "-"])
+            continue
+        tx = r.get("tx_bytes_per_step") or []
+        step = r.get("step_s")
+        rows.append(
+            [
+                r.get("method", "-"),
+                fmt(step * 1e3 if step else None),
+                ratio(r.get("speedup")),
+                "/".join(fmt(b / (1 << 20)) for b in tx) if tx else "-",
+                percent(r.get("loss_vs_gloo")),
+                "equal" if r.get("replicas_equal") else "differ",
+            ]
+        )
+    headers = ["method", "step ms", "x gloo", "MiB/step/rank", "held-out loss vs gloo"]
+    headers.append("replicas")
+    link = data.get("link") or {}
+    note = (
+        f"DDP of the {fmt((data.get('rows') or [{}])[0].get('params', 0) / 1e6)} M-parameter "
+        f"MLP on {data.get('device', '-')} tensors, 2 ranks over an emulated "
+        f"{rate_label(link.get('rate', '-'))} link; median step after the warm-up. "
+        + " ".join(h.get("text", "") for h in data.get("headline", []))
+    )
+    from .ddp_peers import METHODS
+
+    ran = {r.get("method") for r in data.get("rows", [])}
+    missing = [m for m in METHODS if m not in ran]
+    if missing:
+        note += f" Not in this run: {', '.join(missing)}."
+    return [table(headers, rows), note]
+
+
+def _p2p_ipc(data: dict[str, Any]) -> list[str]:
+    rows = [
+        [
+            f"{fmt(r.get('MiB'))} MiB",
+            fmt(r.get("GBps")),
+            fmt(r.get("copy_GBps")),
+            ratio(r.get("vs_copy")),
+            fmt(r.get("perftest_GBps")),
+        ]
+        for r in data.get("rows", [])
+    ]
+    headers = ["message", "send/recv GB/s", "device copy GB/s", "x copy", "ucx_perftest GB/s"]
+    transports = ", ".join(sorted(set((data.get("transports") or {}).values()))) or "-"
+    note = (
+        f"Two processes on one {data.get('device', '-')} device, window of "
+        f"{data.get('window', '-')} messages; UCX transports: {transports}."
+    )
+    return [table(headers, rows), note]
+
+
 def _memory(data: dict[str, Any]) -> list[str]:
     rows = []
     for r in data.get("memory", []):
@@ -478,6 +534,8 @@ TITLES = {
     "train_1gbit": "Compression policies, emulated 1 Gbit/s link",
     "gpu_codec": "GPU codec",
     "memory": "Memory",
+    "ddp_peers": "GPU DDP against PyTorch's compression hooks",
+    "p2p_ipc": "Point-to-point on one GPU",
 }
 #: What each result measures, by its file name, else by its benchmark.
 SUMMARIES = {
@@ -505,6 +563,10 @@ SUMMARIES = {
     "against uncompressed.",
     "gpu_codec": "GPU quantization codec (CuPy kernels): codes against the CPU backend, and "
     "throughput next to a device-to-device copy of the same bytes.",
+    "ddp_peers": "DDP on CUDA tensors over an emulated link: gloo, PyTorch's fp16 and "
+    "PowerSGD hooks, and the cgx 4-bit backend and hook, in one run.",
+    "p2p_ipc": "CuPy buffers sent between two processes of one GPU through UCX (cuda_ipc), "
+    "against a copy within the device and `ucx_perftest` with CUDA memory.",
     "memory": "Host memory of a rank: RSS after init, what stays held after all-reduces once "
     "the tensor is freed, the peak, and the communicator's own staging, gloo against cgx.",
 }
@@ -519,4 +581,6 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "train": _train,
     "gpu_codec": _gpu_codec,
     "memory": _memory,
+    "ddp_peers": _ddp_peers,
+    "p2p_ipc": _p2p_ipc,
 }
