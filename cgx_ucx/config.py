@@ -167,9 +167,10 @@ ENV_VARIABLES: tuple[EnvVar, ...] = (
         ENV_STAGING,
         "an integer >= 0 (MiB)",
         str(DEFAULT_STAGING_MB),
-        "Staging memory (MiB) a communicator keeps for reuse between collectives, "
-        "shared segments apart (they have a cap of the same size); a call that needs "
-        "more allocates the rest and releases it when it returns.",
+        "Staging memory (MiB) a communicator keeps idle once no collective has used it "
+        "for a second, shared segments apart (they have a cap of the same size). While "
+        "calls keep coming it reuses all the staging they need; what a burst of large "
+        "calls grew goes back to the system a second after the last one.",
         "CommConfig.staging_mb",
     ),
     EnvVar(
