@@ -21,8 +21,8 @@ namespace of its own). The model is the 22 M-parameter MLP of ``bench train``
 
 Prints two tables and the targets, writes ``ft.json`` and ``ft.png``. Without root (or
 with ``--no-netns``) the groups run unshaped on loopback: a dry run of the procedure, not
-a measurement of the links. Default runtime on an idle 16-core host: about 8 minutes
-(each DDP run about 1 min, each DiLoCo run about 1 min, the gloo ones the longest).
+a measurement of the links. Default runtime: about 7 minutes on 2 cores (each run about
+1 min, the gloo ones the longest).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import itertools
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -394,7 +395,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         arg_error(parser, "--kill-at", f"must be below --steps ({args.steps}), got {args.kill_at}")
     out_dir = results_dir(args)
     out_dir.mkdir(parents=True, exist_ok=True)
-    work = out_dir / "ft_runs"
+    # The runs' logs (each group's and the Lighthouse's): next to the results, or in a
+    # folder of their own where the results are the tracked ones (which hold results only).
+    logs = Path(tempfile.mkdtemp(prefix="cgx-ft-")) if args.refresh_tracked else out_dir
+    work = logs / "ft_runs"
+    print(f"run logs: {work}")
     netns = not args.no_netns
     if netns:
         from .netns import missing_prerequisites
@@ -406,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ddp: dict[str, dict[str, Any]] = {}
     diloco: dict[str, dict[str, Any]] = {}
     if args.only in (None, "ddp"):
-        with _Place(args.groups, args.ddp_rate, netns, out_dir).up() as place:
+        with _Place(args.groups, args.ddp_rate, netns, logs).up() as place:
             runs = [(label, b, bits, args.kill_at) for label, b, bits in DDP_RUNS]
             runs.append(("reference (gloo, no kill)", "gloo", 32, None))
             for label, backend, bits, kill in runs:
@@ -419,7 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 ddp[label] = {"backend": backend, "bits": bits, **_ddp_metrics(run, args.groups)}
     if args.only in (None, "diloco"):
-        with _Place(args.groups, args.diloco_rate, netns, out_dir).up() as place:
+        with _Place(args.groups, args.diloco_rate, netns, logs).up() as place:
             for label, backend, bits in DILOCO_RUNS:
                 print(f"ft: {label} ...", flush=True)
                 run = _run(

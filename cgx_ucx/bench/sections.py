@@ -494,6 +494,66 @@ def _p2p_ipc(data: dict[str, Any]) -> list[str]:
     return [table(headers, rows), note]
 
 
+def _ft(data: dict[str, Any]) -> list[str]:
+    config = data.get("config") or {}
+    groups = config.get("groups", "-")
+    where = "links" if config.get("netns") else "loopback (unshaped)"
+    out = []
+    ddp = data.get("ddp") or {}
+    if ddp:
+        rows = []
+        for label, m in ddp.items():
+            per_step = m.get("link_bytes_per_step") or m.get("cgx_bytes_per_step")
+            rows.append(
+                [
+                    label,
+                    fmt(m.get("step_s")),
+                    fmt(per_step / 1e6 if per_step else None),
+                    fmt(m.get("stall_s")),
+                    str(m.get("steps_lost", "-")),
+                    fmt(m.get("rejoin_s")),
+                    fmt(m.get("loss_at_steps")),
+                    "yes" if m.get("bit_identical") else "no",
+                ]
+            )
+        headers = ["run", "step s", "MB/step", "stall s", "steps lost", "rejoin s"]
+        headers += [f"loss at step {config.get('steps', '-')}", "replicas equal"]
+        out += [
+            f"Per-step fault tolerance (torchft DDP + OptimizerWrapper), {groups} replica "
+            f"groups, {rate_label(config.get('ddp_rate', '-'))} {where}; the last group is "
+            f"killed at step {config.get('kill_at', '-')} and restarted:",
+            table(headers, rows),
+        ]
+    diloco = data.get("diloco") or {}
+    if diloco:
+        rows = [
+            [
+                label,
+                fmt((m.get("bytes_per_sync") or 0) / 1e6 or None),
+                fmt(m.get("sync_s")),
+                fmt(m.get("final_loss")),
+                "yes" if m.get("bit_identical") else "no",
+            ]
+            for label, m in diloco.items()
+        ]
+        out += [
+            f"DiLoCo, an outer sync every {config.get('sync_every', '-')} steps, "
+            f"{rate_label(config.get('diloco_rate', '-'))} {where}:",
+            table(["run", "MB/sync", "sync s", "eval loss", "replicas equal"], rows),
+        ]
+    checks = data.get("targets") or []
+    if checks:
+        out.append(
+            "Targets: "
+            + "; ".join(
+                f"{c.get('target')} {c.get('detail')} ({'met' if c.get('met') else 'missed'})"
+                for c in checks
+            )
+            + "."
+        )
+    return out
+
+
 def _memory(data: dict[str, Any]) -> list[str]:
     rows = []
     for r in data.get("memory", []):
@@ -535,6 +595,7 @@ TITLES = {
     "gpu_codec": "GPU codec",
     "memory": "Memory",
     "ddp_peers": "GPU DDP against PyTorch's compression hooks",
+    "ft": "Fault-tolerant training (torchft)",
     "p2p_ipc": "Point-to-point on one GPU",
 }
 #: What each result measures, by its file name, else by its benchmark.
@@ -563,6 +624,9 @@ SUMMARIES = {
     "against uncompressed.",
     "gpu_codec": "GPU quantization codec (CuPy kernels): codes against the CPU backend, and "
     "throughput next to a device-to-device copy of the same bytes.",
+    "ft": "A torchft Lighthouse and replica groups in network namespaces joined by shaped "
+    "links: a group killed mid-run and restarted, per-step DDP on gloo and cgx, then DiLoCo "
+    "with fp32, 4-bit and 2-bit pseudo-gradients.",
     "ddp_peers": "DDP on CUDA tensors over an emulated link: gloo, PyTorch's fp16 and "
     "PowerSGD hooks, and the cgx 4-bit backend and hook, in one run.",
     "p2p_ipc": "CuPy buffers sent between two processes of one GPU through UCX (cuda_ipc), "
@@ -582,5 +646,6 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "gpu_codec": _gpu_codec,
     "memory": _memory,
     "ddp_peers": _ddp_peers,
+    "ft": _ft,
     "p2p_ipc": _p2p_ipc,
 }
