@@ -62,11 +62,12 @@ def test_new_group_in_different_orders_raises_a_mismatch_on_every_rank() -> None
 
 
 def _compile_threads() -> int:
-    """The host codec's compile thread: one per process, started the first time a kernel
-    is due (compression.kernels), whenever that is; not a thread a group leaves behind."""
+    """Threads no group leaves behind: the host codec's compile thread (one per process,
+    started the first time a kernel is due, compression.kernels) and a live group's
+    staging release timer (one per pool, gone a second after its last call)."""
     import threading
 
-    return sum(t.name == "cgx-compile" for t in threading.enumerate())
+    return sum(t.name in ("cgx-compile", "cgx-staging-release") for t in threading.enumerate())
 
 
 def _usage() -> tuple[int, int, int, int]:

@@ -211,8 +211,10 @@ def _resources() -> dict[str, int]:
     with open("/proc/self/status") as f:
         status = dict(line.split(":", 1) for line in f if ":" in line)
     # The host codec's compile thread is one per process, started the first time a kernel
-    # is due (compression.kernels), whenever that is: not a thread a reconfiguration leaves.
-    compile_threads = sum(t.name == "cgx-compile" for t in threading.enumerate())
+    # is due (compression.kernels), whenever that is, and a live group's staging release
+    # timer goes a second after its last call: not threads a reconfiguration leaves.
+    transient = ("cgx-compile", "cgx-staging-release")
+    compile_threads = sum(t.name in transient for t in threading.enumerate())
     return {
         "rss_kb": int(status["VmRSS"].split()[0]),
         "threads": threading.active_count() - compile_threads,
