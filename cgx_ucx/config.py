@@ -232,10 +232,12 @@ ENV_VARIABLES: tuple[EnvVar, ...] = (
         "CGX_UCX_KERNEL_CACHE",
         "a directory path",
         "unset",
-        "Where the host codec's compiled Numba kernels are kept. Unset: `NUMBA_CACHE_DIR` "
-        "if set, else `$XDG_CACHE_HOME/cgx_ucx/numba-<numba>-py<X.Y>` (`~/.cache` without "
-        "`XDG_CACHE_HOME`), shared by every virtual environment of the user.",
-        "cgx_ucx.compression.kernels",
+        "Where the host codec's compiled Numba kernels are kept (the GPU codec's CUDA "
+        "kernels go to its `cuda` folder). Unset: `NUMBA_CACHE_DIR` if set, else "
+        "`$XDG_CACHE_HOME/cgx_ucx/numba-<numba>-py<X.Y>` (`~/.cache` without "
+        "`XDG_CACHE_HOME`; CUDA kernels in `$XDG_CACHE_HOME/cgx_ucx/kernels`), shared by "
+        "every virtual environment of the user.",
+        "cgx_ucx.compression.kernels, cgx_ucx.compression.gpu",
     ),
     EnvVar(
         "CGX_BENCH_LINK_DEVICE",

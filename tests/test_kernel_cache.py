@@ -29,6 +29,17 @@ def test_cache_dir_precedence(tmp_path: Path) -> None:
     assert home.parent.parent == Path(os.path.expanduser("~")) / ".cache"
 
 
+def test_gpu_cache_dir_follows_the_same_settings(tmp_path: Path) -> None:
+    """The CUDA kernels' cache: in the chosen cache's ``cuda`` folder, else under
+    ``XDG_CACHE_HOME`` (``~/.cache`` without it); Numba's own setting does not move it."""
+    from cgx_ucx.compression import gpu
+
+    xdg = {"XDG_CACHE_HOME": str(tmp_path / "xdg"), "NUMBA_CACHE_DIR": "/n"}
+    assert gpu._cache_dir(xdg) == tmp_path / "xdg" / "cgx_ucx" / "kernels"
+    assert gpu._cache_dir({**xdg, "CGX_UCX_KERNEL_CACHE": "/k"}) == Path("/k/cuda")
+    assert gpu._cache_dir({}) == Path(os.path.expanduser("~")) / ".cache/cgx_ucx/kernels"
+
+
 def _module(tmp_path: Path, name: str, source: str) -> types.ModuleType:
     path = tmp_path / f"{name}.py"
     path.write_text(textwrap.dedent(source))

@@ -3,7 +3,7 @@
 The kernels compute the function of :mod:`.reference` byte for byte (explicit
 round-to-nearest float32 intrinsics, compiled with ``--fmad=false --ftz=false``). They are
 compiled lazily with NVRTC on first use (a cubin for the GPU's architecture, cached on disk
-under ``~/.cache/cgx_ucx/kernels``) and loaded once per device; importing this module does
+where :func:`_cache_dir` says) and loaded once per device; importing this module does
 not import CuPy, so the build and the launch planning below are usable, and tested,
 without a GPU.
 
@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..arrays import BFLOAT16
+from ..config import read_env
 from ..errors import CodecError
 from . import nvrtc
 from .codec import HEADER_NBYTES, CodecHeader
@@ -221,8 +222,17 @@ def target_arch(compute_capability: int) -> str:
     return f"compute_{max(older)}"
 
 
-def _cache_dir() -> Path:
-    return Path.home() / ".cache" / "cgx_ucx" / "kernels"
+def _cache_dir(env: Any = None) -> Path:
+    """Where compiled CUDA kernels are kept: ``<CGX_UCX_KERNEL_CACHE>/cuda``, else
+    ``$XDG_CACHE_HOME/cgx_ucx/kernels`` (``~/.cache`` without ``XDG_CACHE_HOME``): per user,
+    next to the host codec's kernels (:func:`.kernels.cache_dir`, which imports Numba;
+    a GPU-only job does not)."""
+    env = os.environ if env is None else env
+    chosen = read_env("CGX_UCX_KERNEL_CACHE", env)
+    if chosen:
+        return Path(chosen).expanduser() / "cuda"
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "cgx_ucx" / "kernels"
 
 
 def _image(arch: str) -> bytes:
