@@ -30,7 +30,7 @@ import numpy as np
 from ..arrays import BFLOAT16
 from ..config import read_env
 from ..errors import CodecError
-from . import nvrtc
+from . import kernels, nvrtc
 from .codec import HEADER_NBYTES, CodecHeader
 from .reference import seed_key
 
@@ -228,11 +228,10 @@ def _cache_dir(env: Any = None) -> Path:
     next to the host codec's kernels (:func:`.kernels.cache_dir`, which imports Numba;
     a GPU-only job does not)."""
     env = os.environ if env is None else env
-    chosen = read_env("CGX_UCX_KERNEL_CACHE", env)
+    chosen = read_env(kernels.ENV_KERNEL_CACHE, env)
     if chosen:
         return Path(chosen).expanduser() / "cuda"
-    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "cgx_ucx" / "kernels"
+    return kernels.user_cache_root(env) / "kernels"
 
 
 def _image(arch: str) -> bytes:

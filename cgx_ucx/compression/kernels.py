@@ -54,6 +54,7 @@ __all__ = [
     "compiling_here",
     "settle",
     "source_digest",
+    "user_cache_root",
     "wait_compiled",
 ]
 
@@ -93,9 +94,15 @@ def cache_dir(env: Mapping[str, str] | None = None) -> Path:
     chosen = read_env(ENV_KERNEL_CACHE, env) or env.get("NUMBA_CACHE_DIR")
     if chosen:
         return Path(chosen).expanduser()
-    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     py = f"{sys.version_info[0]}.{sys.version_info[1]}"
-    return Path(base) / "cgx_ucx" / f"numba-{numba.__version__}-py{py}"
+    return user_cache_root(env) / f"numba-{numba.__version__}-py{py}"
+
+
+def user_cache_root(env: Mapping[str, str]) -> Path:
+    """``$XDG_CACHE_HOME/cgx_ucx`` (``~/.cache/cgx_ucx`` without ``XDG_CACHE_HOME``): the
+    user's folder of compiled kernels, host and GPU."""
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "cgx_ucx"
 
 
 def source_digest(module: ModuleType) -> str:
