@@ -117,10 +117,14 @@ def test_a_rank_that_dies_after_publishing_is_named_by_every_survivor():
 
 #: Per-wait timeout of the stopped-peer ranks.
 STOP_TIMEOUT = 2.0
+#: Per-wait timeout of the survivor that learns of the stopped peer from another rank's
+#: ABORT (its own wait would run out long after that).
+LATE_TIMEOUT = 30.0
 #: close() of a survivor: no wait for the BYE of a peer that did not answer a status
-#: request (0.3 s measured on 2 loaded cores, against 1.5-3.9 s while close waited for
-#: it); a peer that blocks the teardown would hold it for minutes.
-STOP_CLOSE_LIMIT = 2.0
+#: request, its own or the one of the rank whose ABORT reported the failure (0.3 s
+#: measured on 2 loaded cores; a wait for the stopped peer's BYE takes the whole
+#: FAILED_CLOSE_WAIT_S of 1 s); a peer that blocks the teardown would hold it for minutes.
+STOP_CLOSE_LIMIT = 0.9
 #: From close() returning to the process being gone, as tests/test_chaos.py bounds it:
 #: Python's own finalization takes seconds on a loaded machine; this catches a hang.
 STOP_EXIT_LIMIT = 15.0
@@ -140,11 +144,13 @@ async def main():
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store, victim = DirStore(sys.argv[2]), int(sys.argv[3])
     cpu.warmup()
-    cfg = CommConfig(timeout=float(sys.argv[4]), connect_timeout=40.0)
+    timeout = float(sys.argv[4].split(",")[rank])
+    cfg = CommConfig(timeout=timeout, connect_timeout=40.0)
     comm = await connect(store, rank, world, config=cfg, data_error_handling=sys.argv[5] == "1")
     x = np.ones(1 << 18, np.float32)
+    algorithm = sys.argv[6]
     for _ in range(3):
-        await comm.allreduce(x, bits=4)
+        await comm.allreduce(x, bits=4, algorithm=algorithm)
     await comm.barrier()
     if rank == victim:
         print("STOPPING", flush=True)
@@ -153,7 +159,7 @@ async def main():
     t0 = time.time()
     try:
         while time.time() < t0 + 30:
-            await comm.allreduce(x, bits=4)
+            await comm.allreduce(x, bits=4, algorithm=algorithm)
     except CGXError as exc:
         out.update(t_error=time.time(), error=type(exc).__name__, text=str(exc))
         out.update(peer=getattr(exc, "peer", None), alive=getattr(exc, "alive", "n/a"))
@@ -167,14 +173,24 @@ asyncio.run(main())
 """
 
 
-def _stopped_peer_run(world: int, victim: int, data_error_handling: bool):
+def _stopped_peer_run(
+    world: int,
+    victim: int,
+    data_error_handling: bool,
+    timeouts: list[float],
+    algorithm: str = "auto",
+    nodes: list[str] | None = None,
+):
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     with tempfile.TemporaryDirectory(prefix="cgx-stop-") as store_dir:
         argv = [sys.executable, "-c", _STOP_RANK, tests_dir, store_dir, str(victim)]
-        argv += [str(STOP_TIMEOUT), "1" if data_error_handling else "0"]
+        argv += [",".join(map(str, timeouts)), "1" if data_error_handling else "0", algorithm]
         env = dict(os.environ, WORLD_SIZE=str(world), **MESSAGES_ONLY)
+        envs = [dict(env, RANK=str(r)) for r in range(world)]
+        for r, node in enumerate(nodes or ()):
+            envs[r]["CGX_UCX_NODE_ID"] = node
         procs = [
-            subprocess.Popen(argv, env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, text=True)
+            subprocess.Popen(argv, env=envs[r], stdout=subprocess.PIPE, text=True)
             for r in range(world)
         ]
         try:
@@ -207,10 +223,13 @@ def _stopped_peer_run(world: int, victim: int, data_error_handling: bool):
 @pytest.mark.parametrize("data_error_handling", [True, False], ids=["default", "cma"])
 def test_a_stopped_peer_is_named_and_every_survivor_exits(data_error_handling):
     """A peer stopped by SIGSTOP (its host still answers) is named by every survivor as
-    alive at the host level but not answering, within the timeout + 2 s; every survivor
-    closes and exits without waiting for it, whatever the data endpoints' error handling."""
-    world, victim = 3, 1
-    t_stop, results, exits = _stopped_peer_run(world, victim, data_error_handling)
+    alive at the host level but not answering, within the timeout + 2 s: rank 0 by its
+    own status request, rank 2 (a longer timeout) through rank 0's ABORT. Every survivor
+    closes and exits without waiting for it, whatever the data endpoints' error handling:
+    rank 2 never asked the stopped peer, and knows from the ABORT that it did not answer."""
+    world, victim, relayed = 3, 1, 2
+    timeouts = [LATE_TIMEOUT if r == relayed else STOP_TIMEOUT for r in range(world)]
+    t_stop, results, exits = _stopped_peer_run(world, victim, data_error_handling, timeouts)
     for r, res in sorted(results.items()):
         print(
             f"stopped peer, data_error_handling={data_error_handling}: rank {r}: "
@@ -219,9 +238,43 @@ def test_a_stopped_peer_is_named_and_every_survivor_exits(data_error_handling):
             f"load {os.getloadavg()[0]:.1f}: {res.get('text')}"
         )
     for r, res in results.items():
-        assert res["error"] == "CGXTimeoutError", res
-        assert res["peer"] == victim or f"rank {victim} is alive at the host level" in res["text"]
+        if r == relayed:
+            assert res["error"] == "PeerLostError", res
+            assert res["text"].startswith("rank 0 aborted collective #"), res
+        else:
+            assert res["error"] == "CGXTimeoutError", res
+        assert res["peer"] == victim, res
         assert f"rank {victim} is alive at the host level but not answering" in res["text"], res
         assert res["t_error"] - t_stop < STOP_TIMEOUT + 1.0 + REPORT_SLACK_S, res
+        assert res["close_s"] < STOP_CLOSE_LIMIT, res
+        assert exits[r] - res["t_closed"] < STOP_EXIT_LIMIT, res
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_ranks_told_of_a_stopped_peer_through_a_live_one_do_not_wait_for_it():
+    """Two nodes of two ranks (labels), rank 3 stopped. In the two-level allreduce rank 0
+    waits on a live rank that waits on rank 3 (its node peer, or rank 2 across nodes):
+    rank 0 (the only short timeout) times out on it, and its ABORT blames it; ranks 1 and 2 learn
+    of the failure from that ABORT alone, which also names rank 3 as not answering rank
+    0's status request, so neither waits for rank 3's BYE at close."""
+    world, victim, first = 4, 3, 0
+    timeouts = [STOP_TIMEOUT if r == first else LATE_TIMEOUT for r in range(world)]
+    nodes = ["a", "a", "b", "b"]
+    t_stop, results, exits = _stopped_peer_run(world, victim, True, timeouts, nodes=nodes)
+    for r, res in sorted(results.items()):
+        print(
+            f"stopped peer behind a live one: rank {r}: {res['error']} after "
+            f"{res.get('t_error', 0) - t_stop:.2f} s (peer {res['peer']}), close "
+            f"{res['close_s']:.2f} s, exit {exits[r] - res['t_closed']:.2f} s after close, "
+            f"load {os.getloadavg()[0]:.1f}: {res.get('text')}"
+        )
+    assert results[first]["error"] == "CGXTimeoutError", results[first]
+    assert results[first]["peer"] != victim and results[first]["alive"], results[first]
+    for r, res in results.items():
+        if r != first:
+            assert res["error"] == "PeerLostError", res
+            assert res["text"].startswith(f"rank {first} aborted collective #"), res
+        assert f"rank {victim} is alive at the host level but not answering" in res["text"], res
         assert res["close_s"] < STOP_CLOSE_LIMIT, res
         assert exits[r] - res["t_closed"] < STOP_EXIT_LIMIT, res

@@ -102,3 +102,32 @@ def test_a_status_answer_names_the_ranks_it_waits_on():
     assert PeerStatus(0, answered=True, started_seq=5, what=what).waits_on == [1, 16]
     assert PeerStatus(0, answered=True, started_seq=5, what="allreduce").waits_on == []
     assert PeerStatus(0, answered=False, what=what).waits_on == []
+
+
+def test_an_abort_naming_silent_ranks_ends_the_wait_for_their_bye():
+    """A rank that learns of a failure from an ABORT never asked the ranks the sender
+    found silent; the ABORT names them, so close() stops waiting for their BYE (and
+    waits for it again once they speak)."""
+    from cgx_ucx.config import CommConfig
+    from cgx_ucx.transport.control import MeshControl
+    from cgx_ucx.transport.frames import AbortCode, Frame, Kind
+
+    async def main():
+        mesh = MeshControl(0, 4, CommConfig(timeout=5.0), bytes(32), data_error_handling=False)
+        mesh._bye_fut = asyncio.get_running_loop().create_future()
+        mesh.peers[1].bye = True
+        abort = Frame(kind=Kind.ABORT, job=mesh.job, seq=5, src=2, phase=AbortCode.PEER_LOST)
+        # The sender itself and ranks outside the mesh are never marked.
+        mesh._on_control(mesh.peers[2], abort.with_(count=3), "timed out", (0, 2, 9))
+        assert not any(p.silent for p in mesh.peers.values())
+        assert not mesh._bye_fut.done() and not mesh._troubled
+        mesh._on_control(mesh.peers[2], abort.with_(count=3), "timed out", (3,))
+        assert mesh.peers[3].silent and mesh._troubled
+        assert not mesh._bye_fut.done()  # rank 2 has not said BYE yet
+        mesh._on_control(mesh.peers[2], Frame(kind=Kind.BYE, job=mesh.job, src=2), "")
+        assert mesh._bye_fut.done()
+        status = Frame(kind=Kind.STATUS, job=mesh.job, src=3)
+        mesh._on_control(mesh.peers[3], status, "")
+        assert not mesh.peers[3].silent
+
+    asyncio.run(main())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import struct
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,7 @@ from .progress import post_recv, post_send
 from .state import MeshState
 from .status import STATUS_WAIT_S, PeerStatus
 
-__all__ = ["MAX_EARLY_ABORT_FRAMES", "MAX_REASON_NBYTES", "MeshControl"]
+__all__ = ["MAX_EARLY_ABORT_FRAMES", "MAX_NAMED_SILENT", "MAX_REASON_NBYTES", "MeshControl"]
 
 log = logging.getLogger("cgx_ucx.transport")
 
@@ -28,6 +29,12 @@ MAX_REASON_NBYTES = 1024
 MAX_EARLY_ABORT_FRAMES = 64
 #: Ranks a timed-out wait's message follows, from who the late peer waits on (_behind).
 MAX_STATUS_HOPS = 3
+#: Ranks an ABORT names as not answering the sender's status request, at most. They
+#: follow the reason in its payload, one little-endian u16 each; the frame's ``slot``
+#: (unused by ABORT otherwise) says how many. A rank that learns of a failure from the
+#: ABORT alone (it never asked the stopped or cut-off peer itself) then does not wait
+#: for their BYE at close either.
+MAX_NAMED_SILENT = 64
 
 
 class MeshControl(MeshState):
@@ -69,13 +76,19 @@ class MeshControl(MeshState):
                 frame = Frame.unpack(buf, job=self.job, key=p.keys.key)
                 if frame.src != p.rank:
                     raise ProtocolError(f"control frame from rank {p.rank} claims rank {frame.src}")
-                reason = ""
+                named = 2 * frame.slot if frame.kind == Kind.ABORT else 0
+                if named > min(2 * MAX_NAMED_SILENT, frame.payload):
+                    raise ProtocolError(f"ABORT naming {frame.slot} silent ranks")
+                if frame.payload > MAX_REASON_NBYTES + named:
+                    raise ProtocolError(f"control payload of {frame.payload} bytes")
+                reason, silent = "", ()
                 if frame.payload:
-                    if frame.payload > MAX_REASON_NBYTES:
-                        raise ProtocolError(f"control payload of {frame.payload} bytes")
                     text = np.empty(frame.payload, np.uint8)
                     await post_recv(p.ctrl, text, None)
-                    reason = text.tobytes().decode("utf-8", errors="replace")
+                    raw = text.tobytes()
+                    cut = len(raw) - named
+                    reason = raw[:cut].decode("utf-8", errors="replace")
+                    silent = struct.unpack(f"<{frame.slot}H", raw[cut:])
             except asyncio.CancelledError:
                 return
             except ProtocolError as exc:
@@ -86,11 +99,12 @@ class MeshControl(MeshState):
                 if not self._closing:
                     self._peer_closed(p.rank, "connection reset")
                 return
-            if not self._on_control(p, frame, reason):
+            if not self._on_control(p, frame, reason, silent):
                 return
 
-    def _on_control(self, p: Peer, frame: Frame, reason: str) -> bool:
-        """Act on one control frame; False ends the control loop."""
+    def _on_control(self, p: Peer, frame: Frame, reason: str, silent: tuple[int, ...] = ()) -> bool:
+        """Act on one control frame (``silent``: the ranks an ABORT names as not
+        answering its sender); False ends the control loop."""
         p.silent = False  # it speaks again (a stopped process continued)
         if frame.kind == Kind.BYE:
             p.bye, p.bye_seq = True, frame.seq
@@ -98,6 +112,7 @@ class MeshControl(MeshState):
             self._check_bye(p)
         elif frame.kind == Kind.ABORT:
             self._aborts += 1
+            self.told_silent(p.rank, silent)
             p.aborted = f"collective #{frame.seq}: {reason or f'abort code {frame.phase}'}"
             if self._on_abort is not None:
                 self._on_abort(frame, reason)
@@ -136,12 +151,15 @@ class MeshControl(MeshState):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def send_control(self, rank: int, frame: Frame, reason: str = "") -> None:
-        """Best-effort control frame (ABORT/BYE/STATUS) with a short bounded wait."""
+    async def send_control(
+        self, rank: int, frame: Frame, reason: str = "", tail: bytes = b""
+    ) -> None:
+        """Best-effort control frame (ABORT/BYE/STATUS) with a short bounded wait
+        (``tail``: binary fields after the reason, an ABORT's silent ranks)."""
         p = self.peers[rank]
         if p.lost is not None or p.ctrl is None or p.keys is None:
             return
-        text = reason.encode()[:MAX_REASON_NBYTES]
+        text = reason.encode()[:MAX_REASON_NBYTES] + tail
         frame = frame.with_(payload=len(text), comm=self.comm_id)
         try:
             head = np.frombuffer(frame.pack(p.keys.key), np.uint8).copy()
@@ -155,10 +173,19 @@ class MeshControl(MeshState):
     async def broadcast_abort(self, seq: int, code: AbortCode, peer: int, reason: str) -> None:
         self._aborts += 1
         self._told = True
+        # The peers that did not answer our status request (see MAX_NAMED_SILENT).
+        silent = sorted(r for r, q in self.peers.items() if q.silent)[:MAX_NAMED_SILENT]
         frame = Frame(
-            kind=Kind.ABORT, job=self.job, seq=seq, src=self.rank, phase=int(code), count=peer
+            kind=Kind.ABORT,
+            job=self.job,
+            seq=seq,
+            src=self.rank,
+            phase=int(code),
+            count=peer,
+            slot=len(silent),
         )
-        await asyncio.gather(*(self.send_control(r, frame, reason) for r in self.peers))
+        tail = struct.pack(f"<{len(silent)}H", *silent)
+        await asyncio.gather(*(self.send_control(r, frame, reason, tail) for r in self.peers))
 
     # -- status -------------------------------------------------------------------------
     def collective_started(self, seq: int, what: str) -> None:

@@ -56,6 +56,7 @@ class Peer:
         #: so answer n says that it read every control frame sent before request n.
         self.asks = 0
         self.answers = 0
-        #: It did not answer a status request while its host did (stopped, or its
-        #: loop blocked): close() does not wait for its BYE.
+        #: It did not answer a status request, ours or (named in an ABORT) another
+        #: rank's: stopped, its loop blocked, or cut off. close() does not wait for its
+        #: BYE; any control frame from it clears this.
         self.silent = False

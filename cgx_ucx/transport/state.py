@@ -149,6 +149,23 @@ class MeshState:
             (log.info if quiet else log.warning)("rank %d: communicator failed: %s", self.rank, exc)
             self._failed.set_exception(exc)
 
+    def told_silent(self, src: int, ranks: Iterable[int]) -> None:
+        """Rank ``src`` reported a failure (an ABORT) naming ``ranks`` as not answering
+        its status request: stopped, blocked or cut off, as if they had not answered
+        ours. A rank that learns of the failure this way never asked them, yet they will
+        not say BYE either: close() does not wait for them, and keeps the teardown of a
+        troubled mesh (a cut link leaves connections that cannot drain, see :meth:`fail`)."""
+        named = [self.peers[r] for r in ranks if r != src and r in self.peers]
+        named = [q for q in named if q.lost is None and not q.bye]
+        if not named:
+            return
+        for q in named:
+            q.silent = True
+        self._troubled = True
+        if self.data_error_handling:
+            _stuck.release_at_exit(self._peer_hosts())
+        self._bye_seen()
+
     def check(self) -> None:
         """Raise the mesh's failure (a fresh copy), or TransportError when closed."""
         if self._closed or self._closing:
