@@ -294,12 +294,22 @@ def _stop_progress_tasks(ucxx: Any) -> None:
     tasks.clear()
 
 
+#: References to the application context that _context_holders itself accounts for:
+#: ucxx.core's, its local variable's and sys.getrefcount's argument.
+_CONTEXT_OWN_REFS = 3
+
+
 def _context_holders(ucxx: Any) -> list[str]:
     """What, besides ucxx itself, still references the running application context
     (an endpoint or listener a cancelled handshake left behind), described briefly."""
     core = getattr(ucxx, "core", None)
     ctx = getattr(core, "_ctx", None)
     if ctx is None:
+        return []
+    if sys.getrefcount(ctx) <= _CONTEXT_OWN_REFS:
+        # Nothing else refers to it, not even garbage awaiting collection: no full
+        # collection and scan of the heap (each takes a good part of a second in a
+        # process with a large heap on a loaded machine, inside every close()).
         return []
     gc.collect()
     own = vars(core)
