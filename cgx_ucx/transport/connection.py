@@ -142,7 +142,7 @@ class MeshSetup(MeshControl):
             try:
                 p.data = await ucxx.create_endpoint_from_worker_address(
                     ucxx.get_ucx_address_from_buffer(raw),
-                    endpoint_error_handling=self.data_error_handling,
+                    endpoint_error_handling=_data_error_handling(self.data_error_handling, kind),
                 )
             except _ucx.errors() as exc:
                 raise ConfigError(
@@ -357,6 +357,16 @@ class MeshSetup(MeshControl):
         finally:
             if task is not None:
                 self._tasks.discard(task)
+
+
+def _data_error_handling(wanted: bool, kind: str) -> bool:
+    """Whether the data endpoint to a peer dialled on its ``kind`` of address handles
+    errors: always on the network-only address. ``data_error_handling=False`` is for
+    CMA, which exists only between processes of one host (the full address); across
+    nodes it would only take the endpoint's error handling away, and with it the way
+    out of a cut link: UCX closes an endpoint without error handling by flushing it,
+    which across a cut link never completes (close() and interpreter exit hung)."""
+    return wanted or kind != _levels.ADDRESS_FULL
 
 
 def _topology_of(rank: int, own: NodeHints, peers: dict[int, PeerAddress]) -> Topology:

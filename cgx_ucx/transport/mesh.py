@@ -10,8 +10,10 @@ Why two channels (ucxx 0.52 / UCX 1.21):
   by default the data endpoints keep error handling on and UCX_MM_ERROR_HANDLING=y (see
   :mod:`.ucx`) lets them use shared memory (copy-in/copy-out with keepalive), which with
   the progress driver spinning during transfers is as fast as CMA.
-  ``data_error_handling=False`` restores CMA for those who accept the risk; cuda_ipc and
-  IB are used either way where present.
+  ``data_error_handling=False`` restores CMA for those who accept the risk, on the
+  endpoints to peers of this host only (CMA goes no further; the endpoints to other
+  nodes keep error handling, else a cut link leaves them impossible to close); cuda_ipc
+  and IB are used either way where present.
 - **control**: one error-handling endpoint per peer pair, made through the listener
   (TCP). UCX reports a killed peer on it within milliseconds; it carries the membership
   handshake (:mod:`.handshake`), ABORT, BYE and STATUS frames.
@@ -83,8 +85,9 @@ class Mesh(MeshSetup, MeshExchange):
 
         ``data_error_handling=False`` lets UCX use CMA zero-copy between processes of one
         host, but UCX then treats a failed transfer as fatal: a peer killed while a
-        transfer from it is pending aborts this process (see the module docstring).
-        """
+        transfer from it is pending aborts this process (see the module docstring). It
+        applies to the data endpoints to peers on this host; those to other nodes keep
+        error handling."""
         if not 0 < world_size <= MAX_WORLD_SIZE:
             raise RendezvousError(f"world_size must be in 1..{MAX_WORLD_SIZE}, got {world_size}")
         if not 0 <= rank < world_size:
@@ -204,9 +207,10 @@ class Mesh(MeshSetup, MeshExchange):
         it silent and, on the far side, every peer). UCX destroys a TCP endpoint with a
         blocking send, which on such a connection waits for the kernel to give the
         connection up (minutes), at interpreter exit. A live peer acknowledges, so its
-        connections are left alone. Not with data endpoints without error handling
-        (``data_error_handling=False``): there a failed send is fatal to the process."""
-        if self._troubled and self.data_error_handling:
+        connections are left alone. Whatever ``data_error_handling`` says: data endpoints
+        without error handling only go to peers on this host (.connection), whose
+        connections never stop acknowledging."""
+        if self._troubled:
             with contextlib.suppress(Exception):  # teardown goes on whatever happens here
                 _stuck.release_stuck(self._peer_hosts())
 

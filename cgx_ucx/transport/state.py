@@ -143,8 +143,8 @@ class MeshState:
         next collective, if any, still reports as an error)."""
         if not quiet:
             self._troubled = True
-            if self.data_error_handling:  # see _release_stuck: for a mesh nobody closes
-                _stuck.release_at_exit(self._peer_hosts())
+            # See Mesh._release_stuck: for a mesh nobody closes.
+            _stuck.release_at_exit(self._peer_hosts())
         if self._failed is not None and not self._failed.done():
             (log.info if quiet else log.warning)("rank %d: communicator failed: %s", self.rank, exc)
             self._failed.set_exception(exc)
@@ -162,8 +162,7 @@ class MeshState:
         for q in named:
             q.silent = True
         self._troubled = True
-        if self.data_error_handling:
-            _stuck.release_at_exit(self._peer_hosts())
+        _stuck.release_at_exit(self._peer_hosts())
         self._bye_seen()
 
     def check(self) -> None:
