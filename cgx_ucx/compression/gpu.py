@@ -12,22 +12,42 @@ emulation of the same kernels) that takes the kernel name, grid, block and the a
 already converted to the exact C types of :data:`SIGNATURES`. Pointers are passed as
 64-bit addresses, so a segment may start at any byte of a larger buffer. Work is queued on
 CuPy's current stream of the arrays' device; nothing here synchronizes except
-:func:`~cgx_ucx.compression.codec.read_header`'s 24-byte device-to-host copy in decode.
+:func:`~cgx_ucx.compression.codec.read_header`'s 24-byte device-to-host copy in decode,
+and the 4-byte status a batched decode returns.
+
+Several segments packed back to back (a pipeline piece: parts of several layers) take one
+launch each way: :func:`encode_segments` and :func:`decode_segments` describe the
+segments in a small device array (:data:`ENC_FIELDS`, :data:`DEC_FIELDS`; uploaded once
+per distinct content and stream, then reused) instead of paying a Python-side launch
+(35-40 us) per segment.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.resources
 import math
 import os
 import threading
+from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
-from ..arrays import BFLOAT16
+from ..arrays import (
+    BFLOAT16,
+    CODEC_DTYPES,
+    MAX_BUCKET_SIZE,
+    as_uint8_buffer,
+    check_bits,
+    check_positive_int,
+    check_seed,
+    is_array,
+    is_cupy,
+)
 from ..config import read_env
 from ..errors import CodecError
 from . import kernels, nvrtc
@@ -35,6 +55,8 @@ from .codec import HEADER_NBYTES, CodecHeader
 from .reference import seed_key
 
 __all__ = [
+    "DEC_FIELDS",
+    "ENC_FIELDS",
     "KERNELS",
     "NVRTC_OPTIONS",
     "SIGNATURES",
@@ -42,9 +64,12 @@ __all__ = [
     "compile_kernels",
     "decode_add_into",
     "decode_into",
+    "decode_segments",
     "empty_bytes",
     "empty_values",
+    "encode_decode_into",
     "encode_into",
+    "encode_segments",
     "kernel_source",
 ]
 
@@ -54,32 +79,59 @@ NVRTC_OPTIONS = ("--std=c++17", "--fmad=false", "--ftz=false", "--prec-div=true"
                  "--prec-sqrt=true")  # fmt: skip
 #: Threads per block (CGX_BLOCK in the source: 8 warps).
 BLOCK = 256
-#: Values per encode block: 8 warps x 1024 values, so buckets up to 1024 values get a warp
-#: each and the tile (32 KiB of float32) is still in L1 when the codes are packed.
+#: Values an encode block holds in registers (a round: CGX_ROUND_CHUNKS chunks of 8, 32
+#: values a thread). A tile of whole buckets up to this size reads its values once; larger
+#: tiles (buckets over 8192 values) take several rounds and read them twice.
 TILE_VALUES = 8192
-#: CGX_MAX_TILE_BUCKETS in the source (shared memory: 4 KiB of meta per block).
+#: CGX_MAX_TILE_BUCKETS in the source (shared memory: 10 KiB of keys and meta per block).
 MAX_TILE_BUCKETS = 512
-#: Grid-stride kernels use at most this many blocks per SM (enough to saturate HBM).
+#: Grid-stride kernels use at most this many blocks per SM (enough to saturate HBM); an
+#: encode cuts its tiles small enough to have at least that many blocks where the buckets
+#: allow (a 16 MiB float32 encode: 1024 blocks of 4096 values on 132 SMs, not 512 of 8192).
 BLOCKS_PER_SM = 8
+#: Values per block of a batched decode (CGX_DECODE_BLOCK_VALUES: a warp per 256 values).
+DECODE_BLOCK_VALUES = 8 * BLOCK
+#: Bytes of a RAW segment's payload per block of a batched encode (CGX_RAW_BLOCK_BYTES);
+#: payloads over RAW_KERNEL_MAX bytes are copied with cudaMemcpyAsync instead.
+RAW_BLOCK_BYTES = 4096
+RAW_KERNEL_MAX = 1 << 20
 
 #: C argument types per kernel kind: P pointer (as a 64-bit address), q int64, i int32,
 #: Q uint64. Must match the extern "C" signatures in kernels/quantize.cu.
 SIGNATURES = {
-    "encode": "PqiqiiQPqQQQ",  # x, n, bits, bucket, tile_buckets, stochastic, key, buf,
-    #                            codes_off, header words 0..2
+    # segments (ENC_FIELDS rows; 0: the one segment of the next arguments), their count;
+    # one segment: out kind of its decoded values, x, n, bits, bucket, tile_buckets,
+    # stochastic, key, buf, codes_off, header words 0..2, decoded (0: none)
+    "encode": "PiiPqiqiiQPqQQQP",
     "decode": "PqqiqP",  # buf, codes_off, n, bits, bucket, out
+    "decode_batch": "PiP",  # segments (DEC_FIELDS rows), count, int32 status
     "raw": "PqP",  # src, n, out
     "header": "PQQQ",  # buf, header words 0..2
 }
 _CTYPES = {"P": np.uint64, "Q": np.uint64, "q": np.int64, "i": np.int32}
 
+#: The fields of struct cgx_enc_seg / cgx_dec_seg in kernels/quantize.cu, in order, each a
+#: 64-bit word: one row of a batched launch's segment array.
+ENC_FIELDS = ("x", "buf", "decoded", "key", "n", "bits", "bsize", "tile_buckets", "stochastic",
+              "codes_off", "block0", "raw_nbytes", "h0", "h1", "h2", "out_kind")  # fmt: skip
+DEC_FIELDS = ("buf", "out", "h0", "h1", "h2", "n", "bits", "bsize", "codes_off", "block0",
+              "src_dt", "pad")  # fmt: skip
+_E = {f: i for i, f in enumerate(ENC_FIELDS)}
+_D = {f: i for i, f in enumerate(DEC_FIELDS)}
+#: Header word 0's stochastic flag (byte 7, bit 0): informational, not compared on decode.
+_FLAG_STOCHASTIC_WORD = 1 << 56
+
 _DT_NAMES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", BFLOAT16: "bf16"}
 _OUT_NAMES = {**_DT_NAMES, np.dtype(np.float64): "f64"}
+#: Codes of value types in the kernels (codec dtype codes, float64 after them).
+_TYPE_CODES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, BFLOAT16: 2,
+               np.dtype(np.float64): 3}  # fmt: skip
 
 
 def _kernel_table() -> dict[str, str]:
     table = {f"cgx_encode_{d}": "encode" for d in ("f32", "f16", "bf16")}
     table |= {f"cgx_decode_{o}": "decode" for o in ("f32", "f16", "bf16", "f64", "add")}
+    table |= {f"cgx_decode_{o}_batch": "decode_batch" for o in ("f32", "f16", "bf16", "f64", "add")}
     for src in ("f32", "f16", "bf16"):
         for dst in ("f32", "f16", "bf16", "f64", "add"):
             for al in ("a", "u"):
@@ -126,23 +178,40 @@ class Runner(Protocol):
 
     def copy(self, dst: int, src: int, nbytes: int) -> None: ...
 
+    def upload(self, rows: np.ndarray) -> int:
+        """The device address of a copy of ``rows`` (uint64), valid for launches queued
+        after this call."""
+        ...
+
+    def status(self) -> Any:
+        """A device int32 for a kernel to report into."""
+        ...
+
+    def read_status(self, st: Any) -> int:
+        """Its value once the work queued so far is complete (synchronizes)."""
+        ...
+
 
 # ---------------------------------------------------------------------------------------
 # planning (pure Python)
 
 
+@functools.lru_cache(maxsize=4096)
 def header_words(hdr: CodecHeader) -> tuple[int, int, int]:
     """The 24 header bytes as three little-endian uint64 kernel arguments."""
     raw = hdr.pack()
     return tuple(int.from_bytes(raw[i : i + 8], "little") for i in (0, 8, 16))  # type: ignore[return-value]
 
 
-def encode_plan(hdr: CodecHeader) -> tuple[int, int]:
-    """(grid, tile_buckets): tiles of whole buckets that start on a code byte."""
+def encode_plan(hdr: CodecHeader, min_blocks: int = 1) -> tuple[int, int]:
+    """(grid, tile_buckets): tiles of whole buckets that start on a code byte, as large as
+    a block holds in registers (TILE_VALUES), and small enough that the encode has at least
+    ``min_blocks`` blocks where the buckets allow (small inputs use the whole GPU)."""
     bsize = hdr.bucket_size
     k = 8 // math.gcd(bsize, 8)  # buckets per code-byte-aligned chunk
-    tile = max(1, TILE_VALUES // bsize)
-    tile = min(-(-tile // k) * k, MAX_TILE_BUCKETS)  # 512 is a multiple of every k
+    tile = min(max(k, TILE_VALUES // bsize // k * k), MAX_TILE_BUCKETS)  # 512: k divides it
+    want = -(-hdr.nbuckets // max(1, min_blocks))
+    tile = max(k, min(tile, -(-want // k) * k))
     return -(-hdr.nbuckets // tile), tile
 
 
@@ -154,7 +223,11 @@ def _grid(work_items: int, max_grid: int) -> int:
 # the backend, generic over the runner
 
 
-def encode_with_runner(run: Runner, x: Any, hdr: CodecHeader, seed: int, buf: Any) -> None:
+def encode_with_runner(
+    run: Runner, x: Any, hdr: CodecHeader, seed: int, buf: Any, decoded: Any = None
+) -> None:
+    """Encode ``x`` into ``buf``; ``decoded`` (float32/16/64 or bfloat16, compressed
+    segments only) also receives what the codes decode to, in the same pass."""
     h = header_words(hdr)
     bufp = run.ptr(buf)
     n = hdr.numel
@@ -163,10 +236,11 @@ def encode_with_runner(run: Runner, x: Any, hdr: CodecHeader, seed: int, buf: An
         if hdr.raw and n:
             run.copy(bufp + HEADER_NBYTES, run.ptr(x), n * hdr.dtype.itemsize)
         return
-    grid, tile = encode_plan(hdr)
+    grid, tile = encode_plan(hdr, run.max_grid)
     name = f"cgx_encode_{_DT_NAMES[hdr.dtype]}"
-    args = (run.ptr(x), n, hdr.bits, hdr.bucket_size, tile, int(hdr.stochastic),
-            seed_key(seed), bufp, hdr.codes_offset, *h)  # fmt: skip
+    dec, kind = (0, 0) if decoded is None else (run.ptr(decoded), _TYPE_CODES[decoded.dtype])
+    args = (0, 0, kind, run.ptr(x), n, hdr.bits, hdr.bucket_size, tile, int(hdr.stochastic),
+            seed_key(seed), bufp, hdr.codes_offset, *h, dec)  # fmt: skip
     run.launch(name, grid, BLOCK, typed_args(name, args))
 
 
@@ -195,6 +269,116 @@ def decode_with_runner(run: Runner, buf: Any, hdr: CodecHeader, out: Any, add: b
     args = (bufp, hdr.codes_offset, n, hdr.bits, hdr.bucket_size, outp)
     # one warp per 256 values: BLOCK threads cover 8 * BLOCK values
     run.launch(name, _grid(-(-n // 8), run.max_grid), BLOCK, typed_args(name, args))
+
+
+#: One segment of a batched encode: values, their header, the seed, and where what the
+#: codes decode to goes (None: nowhere; compressed segments only).
+EncodeItem = tuple[Any, CodecHeader, int, Any]
+
+
+def encode_batch_with_runner(run: Runner, items: Sequence[EncodeItem], buf: Any) -> int:
+    """Encode ``items`` back to back from the start of ``buf``; returns the bytes written.
+
+    Compressed segments of one value dtype share a launch (a piece's segments all do);
+    RAW and empty segments join the first launch. A RAW payload over
+    RAW_KERNEL_MAX bytes is copied with cudaMemcpyAsync. The blocks are shared out in
+    proportion to the segments' sizes (:func:`encode_plan`'s ``min_blocks``).
+    """
+    bufp = run.ptr(buf)
+    qnumel = sum(h.numel for _, h, _, _ in items if not h.raw) or 1
+    groups: dict[np.dtype, list[tuple[int, list[int]]]] = {}
+    loose: list[tuple[int, list[int]]] = []  # RAW and empty segments
+    copies = []
+    pos = 0
+    for x, hdr, seed, dec in items:
+        row = [0] * len(ENC_FIELDS)
+        row[_E["x"]] = run.ptr(x) if hdr.numel else 0
+        row[_E["buf"]] = bufp + pos
+        row[_E["n"]] = hdr.numel
+        row[_E["bits"]] = hdr.bits
+        row[_E["bsize"]] = hdr.bucket_size
+        row[_E["h0"]], row[_E["h1"]], row[_E["h2"]] = header_words(hdr)
+        if hdr.raw or hdr.numel == 0:
+            nbytes = hdr.numel * hdr.dtype.itemsize
+            if nbytes > RAW_KERNEL_MAX:
+                copies.append((bufp + pos + HEADER_NBYTES, row[_E["x"]], nbytes))
+                nbytes = 0
+            row[_E["raw_nbytes"]] = nbytes
+            loose.append((max(1, -(-nbytes // RAW_BLOCK_BYTES)), row))
+        else:
+            blocks, tile = encode_plan(hdr, -(-run.max_grid * hdr.numel // qnumel))
+            row[_E["decoded"]] = 0 if dec is None else run.ptr(dec)
+            row[_E["out_kind"]] = 0 if dec is None else _TYPE_CODES[dec.dtype]
+            row[_E["key"]] = seed_key(seed) if hdr.stochastic else 0
+            row[_E["tile_buckets"]] = tile
+            row[_E["stochastic"]] = int(hdr.stochastic)
+            row[_E["codes_off"]] = hdr.codes_offset
+            groups.setdefault(hdr.dtype, []).append((blocks, row))
+        pos += hdr.nbytes
+    if loose:
+        first = next(iter(groups.values()), None)
+        if first is None:
+            groups[np.dtype(np.float32)] = loose
+        else:
+            first.extend(loose)
+    for dt, rows in groups.items():
+        block = 0
+        for blocks, row in rows:
+            row[_E["block0"]] = block
+            block += blocks
+        table = np.array([row for _, row in rows], dtype=np.uint64)
+        name = f"cgx_encode_{_DT_NAMES[dt]}"
+        args = (run.upload(table), len(rows), *[0] * 14)
+        run.launch(name, block, BLOCK, typed_args(name, args))
+    for dst, src, nbytes in copies:
+        run.copy(dst, src, nbytes)
+    return pos
+
+
+def decode_batch_with_runner(
+    run: Runner, buf: Any, items: Sequence[tuple[CodecHeader, Any]], add: bool
+) -> bool:
+    """Decode (``add``: decode-add into float32) the segments packed back to back in
+    ``buf``, each into its own output, in one launch; ``items`` are (expected header,
+    output). Returns True once decoded. Returns False, having written nothing, when a
+    header in ``buf`` is not the expected one (the stochastic flag aside), when ``buf``'s
+    length is not the segments', or when the outputs are not of one supported dtype: the
+    caller then takes the segment-by-segment path, whose checks raise the codec's error.
+    """
+    dtypes = {np.dtype(out.dtype) for _, out in items}
+    if len(dtypes) != 1:
+        return False
+    (odt,) = dtypes
+    target = "add" if add else _OUT_NAMES.get(odt)
+    if target is None or (add and odt != np.float32):
+        return False
+    if int(buf.shape[0]) != sum(h.nbytes for h, _ in items):
+        return False
+    bufp = run.ptr(buf)
+    rows = []
+    pos = block = 0
+    for hdr, out in items:
+        row = [0] * len(DEC_FIELDS)
+        h0, h1, h2 = header_words(hdr)
+        row[_D["buf"]] = bufp + pos
+        row[_D["out"]] = run.ptr(out) if hdr.numel else 0
+        row[_D["h0"]], row[_D["h1"]], row[_D["h2"]] = h0 & ~_FLAG_STOCHASTIC_WORD, h1, h2
+        row[_D["n"]] = hdr.numel
+        row[_D["bits"]] = hdr.bits
+        row[_D["bsize"]] = hdr.bucket_size
+        row[_D["codes_off"]] = hdr.codes_offset
+        row[_D["block0"]] = block
+        row[_D["src_dt"]] = _TYPE_CODES[hdr.dtype]
+        rows.append(row)
+        block += -(-hdr.numel // DECODE_BLOCK_VALUES)
+        pos += hdr.nbytes
+    if block == 0:  # nothing to decode: the segment-by-segment path checks the headers
+        return False
+    st = run.status()
+    name = f"cgx_decode_{target}_batch"
+    args = (run.upload(np.array(rows, dtype=np.uint64)), len(rows), run.ptr(st))
+    run.launch(name, block, BLOCK, typed_args(name, args))
+    return run.read_status(st) == 0
 
 
 # ---------------------------------------------------------------------------------------
@@ -286,6 +470,11 @@ def _function(device_id: int, name: str) -> Any:
     return fn
 
 
+#: Segment tables a CupyRunner keeps on the device, by content and stream: a training loop
+#: repeats its pieces (same layout, same staging buffers), so most launches upload nothing.
+UPLOAD_CACHE = 256
+
+
 class CupyRunner:
     """Launches on the current CuPy stream of one device."""
 
@@ -295,6 +484,8 @@ class CupyRunner:
         self._cupy = cupy
         props = cupy.cuda.runtime.getDeviceProperties(device_id)
         self.max_grid = int(props["multiProcessorCount"]) * BLOCKS_PER_SM
+        self._uploads: OrderedDict[tuple[int, bytes], Any] = OrderedDict()
+        self._uploads_lock = threading.Lock()
 
     def launch(self, name: str, grid: int, block: int, args: tuple[Any, ...]) -> None:
         stream = self._cupy.cuda.get_current_stream()
@@ -308,8 +499,34 @@ class CupyRunner:
         stream = self._cupy.cuda.get_current_stream()
         rt.memcpyAsync(dst, src, nbytes, rt.memcpyDeviceToDevice, stream.ptr)
 
+    def upload(self, rows: np.ndarray) -> int:
+        # cupy.asarray copies through pinned memory, queued on the current stream; an array
+        # dropped from the cache returns to that stream's pool, so it is reused only after
+        # the launches queued behind it
+        key = (self._cupy.cuda.get_current_stream().ptr, rows.tobytes())
+        with self._uploads_lock:
+            a = self._uploads.get(key)
+            if a is None:
+                a = self._uploads[key] = self._cupy.asarray(rows)
+                if len(self._uploads) > UPLOAD_CACHE:
+                    self._uploads.popitem(last=False)
+            else:
+                self._uploads.move_to_end(key)
+            return int(a.data.ptr)
+
+    def status(self) -> Any:
+        return self._cupy.empty(1, dtype=self._cupy.int32)
+
+    def read_status(self, st: Any) -> int:
+        return int(st.get()[0])
+
 
 _runners: dict[int, CupyRunner] = {}
+
+
+def _device(a: Any) -> Any:
+    """The context that makes ``a``'s device current."""
+    return a.device
 
 
 def _runner(a: Any) -> CupyRunner:
@@ -345,3 +562,84 @@ def decode_into(buf: Any, hdr: CodecHeader, out: Any) -> None:
 def decode_add_into(buf: Any, hdr: CodecHeader, acc: Any) -> None:
     with buf.device:
         decode_with_runner(_runner(buf), buf, hdr, acc, add=True)
+
+
+def encode_decode_into(x: Any, hdr: CodecHeader, seed: int, buf: Any, decoded: Any) -> None:
+    """:func:`encode_into`, and ``decoded`` (may be ``x``) = decode(buf): one pass over
+    ``x`` for a compressed segment."""
+    with x.device:
+        run = _runner(x)
+        if hdr.raw or hdr.numel == 0 or np.dtype(decoded.dtype) not in _TYPE_CODES:
+            encode_with_runner(run, x, hdr, seed, buf)
+            if hdr.numel:
+                decode_with_runner(run, buf, hdr, decoded, add=False)
+            return
+        encode_with_runner(run, x, hdr, seed, buf, decoded)
+
+
+def _check_array(a: Any, buf: Any, what: str, dtypes: Any) -> None:
+    """``a`` is a 1-D contiguous array of one of ``dtypes`` on ``buf``'s device."""
+    if is_cupy(a) != is_cupy(buf) or not is_array(a):
+        raise CodecError(f"{what} must be an array on the same device as the encoded buffer")
+    if is_cupy(a) and a.device.id != buf.device.id:
+        raise CodecError(f"{what} is on device {a.device.id}, the buffer on {buf.device.id}")
+    if np.dtype(a.dtype) not in dtypes:
+        raise CodecError(
+            f"{what} has dtype {a.dtype}, the GPU codec's are {sorted(map(str, dtypes))}"
+        )
+    if a.ndim != 1 or not a.flags.c_contiguous:
+        raise CodecError(f"{what} must be 1-D contiguous, got shape {a.shape}")
+
+
+def encode_segments(items: Sequence[tuple[Any, int, int, bool, int, Any]], out: Any) -> Any:
+    """Encode several segments back to back into the front of ``out`` (a CuPy uint8 array)
+    in one launch; returns ``out[:nbytes]``. ``items``: (values, bits, bucket size,
+    stochastic, seed, decoded or None) per segment, with :func:`~.codec.encode`'s checks
+    and meaning; ``decoded`` (compressed segments only) receives what the codes decode to,
+    as :func:`~.codec.encode_decode`. The bytes are those of encoding each segment alone.
+    """
+    out = as_uint8_buffer(out, "out")
+    parts: list[EncodeItem] = []
+    for x, bits, bucket_size, stochastic, seed, dec in items:
+        _check_array(x, out, "values", CODEC_DTYPES)
+        bits = check_bits(bits)
+        bucket_size = check_positive_int(bucket_size, "bucket_size", limit=MAX_BUCKET_SIZE + 1)
+        numel = int(x.shape[0])
+        hdr = CodecHeader(
+            bits, bucket_size, numel, np.dtype(x.dtype), bool(stochastic) and bits != 32
+        )
+        if dec is not None:
+            if hdr.raw:
+                raise CodecError("an uncompressed segment has no decoded values to write")
+            _check_array(dec, out, "decoded", _TYPE_CODES)
+            if dec.shape[0] != numel:
+                raise CodecError(f"decoded has {dec.shape[0]} values, the segment holds {numel}")
+        parts.append((x, hdr, check_seed(seed), dec))
+    nbytes = sum(p[1].nbytes for p in parts)
+    if out.shape[0] < nbytes:
+        raise CodecError(f"out holds {out.shape[0]} bytes, the segments need {nbytes}")
+    if parts:
+        with _device(out):
+            encode_batch_with_runner(_runner(out), parts, out)
+    return out[:nbytes]
+
+
+def decode_segments(
+    buf: Any, items: Sequence[tuple[int, int, np.dtype, Any]], add: bool = False
+) -> bool:
+    """Decode (``add``: decode-add) the segments packed back to back in ``buf`` (CuPy) in
+    one launch; ``items``: (bits, bucket size, dtype, output) per segment, the layout the
+    caller expects (outputs: float32/16/64 or bfloat16 on ``buf``'s device, else
+    CodecError). True once done; False, having written nothing, when ``buf`` is not that
+    layout (a header, the length) or the outputs do not share one dtype: then decode
+    segment by segment (:func:`~.codec.decode`, :func:`~.codec.decode_add`), which raises
+    the codec's error for the segment at fault."""
+    buf = as_uint8_buffer(buf)
+    parts = []
+    for bits, bucket_size, dtype, out in items:
+        _check_array(out, buf, "out", _TYPE_CODES)
+        parts.append((CodecHeader(bits, bucket_size, int(out.shape[0]), np.dtype(dtype)), out))
+    if not parts:
+        return False
+    with _device(buf):
+        return decode_batch_with_runner(_runner(buf), buf, parts, add)
