@@ -113,6 +113,86 @@ def test_a_rank_that_dies_after_publishing_is_named_by_every_survivor():
         assert elapsed < CONNECT_TIMEOUT + REPORT_SLACK_S, r.value
 
 
+# ------------------------------------------------------------ after a failed connect
+
+
+def _listeners_and_fds() -> tuple[int, int]:
+    """(TCP sockets of this process listening on every address, open descriptors): UCX's
+    connection listener binds the wildcard address (its transports bind one each)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/self/fd/{fd}")
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    wildcard = 0
+    for table, anywhere in (("/proc/net/tcp", "00000000"), ("/proc/net/tcp6", "0" * 32)):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                listening = fields[3] == "0A"
+                if listening and fields[9] in inodes and fields[1].split(":")[0] == anywhere:
+                    wildcard += 1
+    return wildcard, len(os.listdir("/proc/self/fd"))
+
+
+async def parked_then_again(ctx, host):
+    """Rank 1 publishes ``host`` (nobody answers there); after the failed connect every
+    rank connects again at once under another prefix, then waits past the time its
+    parked listener may stay open. Returns what it saw at each step."""
+    import numpy as np
+
+    from cgx_ucx.transport import connection
+    from cgx_ucx.transport.mesh import LISTENER_PARK_MARGIN_S
+
+    before = _listeners_and_fds()
+    real = connection.PeerAddress
+    if ctx.rank == 1:
+        publish_instead(*host)
+    cfg = CommConfig(timeout=20.0, connect_timeout=CONNECT_TIMEOUT)
+    try:
+        await (await connect(ctx.store, ctx.rank, ctx.world_size, config=cfg)).close()
+        first = "connected"
+    except CGXError as exc:
+        first = type(exc).__name__
+    failed = time.monotonic()
+    connection.PeerAddress = real
+    after_failure = _listeners_and_fds()
+    again = CommConfig(timeout=20.0, connect_timeout=30.0)
+    comm = await connect(ctx.store, ctx.rank, ctx.world_size, config=again, prefix="again")
+    x = np.ones(1000, np.float32)
+    await comm.allreduce(x)
+    await comm.close()
+    again_s = time.monotonic() - failed
+    await asyncio.sleep(failed + CONNECT_TIMEOUT + LISTENER_PARK_MARGIN_S + 1.0 - time.monotonic())
+    return first, float(x[0]), again_s, before, after_failure, _listeners_and_fds()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_failed_connect_leaves_no_listener_and_a_new_one_connects_at_once():
+    """A rank whose connect failed while a peer may still dial it keeps its listener open
+    (parked) for the connect timeout + a margin, then closes it with no further call, and
+    the UCX context with it; meanwhile a new communicator connects at once."""
+    with black_hole() as host:
+        results = run_ranks(parked_then_again, 3, args=(host,), timeout=100)
+    for r, (first, value, again_s, before, after_failure, end) in enumerate(results):
+        print(
+            f"failed connect, rank {r}: {first}; connected again {again_s:.2f} s after it "
+            f"(allreduce {value:g}); wildcard listeners, descriptors: {before} before, "
+            f"{after_failure} after the failure, {end} past the parking"
+        )
+    assert any(after[0] for _, _, _, _, after, _ in results), "no listener was parked"
+    for r, (first, value, again_s, before, _, end) in enumerate(results):
+        assert first in ("RendezvousError", "PeerFailedError"), first
+        assert value == 3.0 and again_s < 10.0, (value, again_s)
+        assert end[0] == before[0], (r, before, end)
+        # Rank 2 dialed the address that does not answer: ucxx keeps the endpoint of a
+        # dial that timed out, and with it the UCX worker and its descriptors.
+        if r != 2:
+            assert end[1] <= before[1], (r, before, end)
+
+
 # ------------------------------------------------------------------ a stopped peer
 
 #: Per-wait timeout of the stopped-peer ranks.

@@ -510,23 +510,32 @@ async def context_kept_while_referenced(ctx):
     ucx_env.release()
     reset = ucxx.core._ctx is None
     # A parked listener (a communicator that gave up connecting) stays open, and keeps
-    # the context, until its deadline; the first release after it closes both.
+    # the context, until its deadline, when both close on the loop with no further call.
     ucxx = ucx_env.acquire("blocking")
     ucx_env.park_listener(ucxx.create_listener(lambda ep: None), 0.3)
     ucx_env.release()
     parked_kept = ucxx.core._ctx is not None
+    await asyncio.sleep(0.2)
+    parked_kept_before = ucxx.core._ctx is not None
     await asyncio.sleep(0.4)
-    ucx_env.acquire("blocking")
+    parked_reset = ucxx.core._ctx is None
+    # A context kept by a holder that goes away later is shut down by a retry.
+    ucxx = ucx_env.acquire("blocking")
+    listener = ucxx.create_listener(lambda ep: None)
     ucx_env.release()
-    return kept, reset, parked_kept, ucxx.core._ctx is None
+    held = ucxx.core._ctx is not None
+    listener.close()
+    del listener
+    await asyncio.sleep(ucx_env.SHUTDOWN_RETRY_S[0] + 0.3)
+    retried = ucxx.core._ctx is None
+    return kept, reset, (parked_kept, parked_kept_before, parked_reset), (held, retried)
 
 
 def test_release_keeps_a_context_that_is_still_referenced():
-    ((kept, reset, parked_kept, parked_reset),) = run_ranks(
-        context_kept_while_referenced, 1, timeout=60
-    )
+    ((kept, reset, parked, retried),) = run_ranks(context_kept_while_referenced, 1, timeout=60)
     assert kept and reset
-    assert parked_kept and parked_reset
+    assert parked == (True, True, True)
+    assert retried == (True, True)
 
 
 def test_flat_allreduce_pieces_grow_for_large_chunks():

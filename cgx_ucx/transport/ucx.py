@@ -92,6 +92,12 @@ _rndv_thresh_user_set: bool | None = None
 #: Listeners of communicators that gave up connecting, kept open until a peer still
 #: dialing them has given up too: (monotonic deadline, listener). See park_listener().
 _parked: list[tuple[float, Any]] = []
+#: When release() has to keep an unused context (something still refers to it), it tries
+#: again this many seconds later, then after the next (a failed connect's exception holds
+#: UCX frames until its caller drops it); a parked listener's deadline comes first.
+SHUTDOWN_RETRY_S = (0.5, 5.0)
+#: The pending retry (see _shut_down_later), on the loop of the last release().
+_retry: asyncio.TimerHandle | None = None
 
 
 #: Rendezvous threshold of multi-node jobs on hosts with an NVIDIA GPU: above every
@@ -199,7 +205,8 @@ def park_listener(listener: Any, hold_s: float) -> None:
     a listener is destroyed between accepting a peer's TCP connection and receiving
     that peer's connection request. A parked listener goes on answering (the
     communicator's accept handler refuses what arrives) and keeps the context alive;
-    it is closed by the first :func:`acquire` or :func:`release` after its deadline."""
+    it is closed at its deadline (by the retry of :func:`release` on the loop that
+    released the context last), or by the first :func:`acquire` after it."""
     with _lock:
         _parked.append((time.monotonic() + hold_s, listener))
 
@@ -224,8 +231,11 @@ def acquire(progress_mode: str, ucx_env: Mapping[str, str] | None = None) -> Any
 
     Call from inside the event loop that will drive UCX progress.
     """
-    global _users, _owned
+    global _users, _owned, _retry
     with _lock:
+        if _retry is not None:  # the context is in use again
+            _retry.cancel()
+            _retry = None
         _close_expired_listeners()
         ucxx = ucxx_module()
         ctx = getattr(ucxx.core, "_ctx", None)
@@ -321,8 +331,13 @@ def release(reset: bool = True) -> None:
 
     ``reset=False`` keeps the context running (a later :func:`acquire` reuses it): for
     a user that could not wait for a connection handshake still in flight inside ucxx,
-    since resetting UCX under a half-made endpoint crashes the process (SIGSEGV)."""
-    global _users, _owned
+    since resetting UCX under a half-made endpoint crashes the process (SIGSEGV).
+
+    A context still referenced (a parked listener, the frames of a failed connect's
+    exception) is kept, and shut down later on the calling loop once nothing refers to
+    it (:func:`_shut_down_later`): its listener ports, sockets and shared memory do not
+    outlive the communicators that used it for long."""
+    global _users
     with _lock:
         if _users <= 0:
             return
@@ -332,23 +347,64 @@ def release(reset: bool = True) -> None:
         if not reset:
             log.info("UCX context kept: a connection handshake was still in flight")
             return
+        _shut_down(SHUTDOWN_RETRY_S)
+
+
+def _shut_down(retries: tuple[float, ...]) -> None:
+    """Shut the unused context down (with _lock held), or try again later: at the first
+    parked listener's deadline, else after ``retries[0]`` seconds."""
+    global _owned
+    ucxx = sys.modules.get("ucxx")
+    if ucxx is None:
+        return
+    _close_expired_listeners()
+    holders = _context_holders(ucxx)
+    if holders:
+        # ucxx.reset() would drop its handle and leave this context to be destroyed
+        # whenever the holder goes, under the next context's workers, which crashes
+        # the process (SIGSEGV). Keep it; the next acquire() reuses it, as after
+        # reset=False.
+        log.info("UCX context kept: still referenced by %s", "; ".join(holders))
+        _shut_down_later(retries)
+        return
+    _progress.uninstall_all()
+    _stop_progress_tasks(ucxx)
+    try:
+        ucxx.reset()
+    except Exception as exc:
+        log.warning("UCX reset left references behind: %s", str(exc).splitlines()[0])
+    _owned = False
+    log.info("UCX context shut down")
+
+
+def _shut_down_later(retries: tuple[float, ...]) -> None:
+    """Try :func:`_shut_down` again on the running loop (with _lock held): at the first
+    parked listener's deadline, else after ``retries[0]`` s; nothing once retries are
+    spent or without a running loop (then the next acquire() reuses the context)."""
+    global _retry
+    if _retry is not None:
+        _retry.cancel()
+        _retry = None
+    if _parked:
+        delay = min(deadline for deadline, _ in _parked) - time.monotonic()
+    elif retries:
+        delay, retries = retries[0], retries[1:]
+    else:
+        return
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    _retry = loop.call_later(max(delay, 0.0), _retry_shut_down, retries)
+
+
+def _retry_shut_down(retries: tuple[float, ...]) -> None:
+    global _retry
+    with _lock:
+        _retry = None
         ucxx = sys.modules.get("ucxx")
-        if ucxx is None:
+        ctx = getattr(getattr(ucxx, "core", None), "_ctx", None)
+        if _users or not _owned or ctx is None:
             return
-        _close_expired_listeners()
-        holders = _context_holders(ucxx)
-        if holders:
-            # ucxx.reset() would drop its handle and leave this context to be destroyed
-            # whenever the holder goes, under the next context's workers, which crashes
-            # the process (SIGSEGV). Keep it; the next acquire() reuses it, as after
-            # reset=False.
-            log.info("UCX context kept: still referenced by %s", "; ".join(holders))
-            return
-        _progress.uninstall_all()
-        _stop_progress_tasks(ucxx)
-        try:
-            ucxx.reset()
-        except Exception as exc:
-            log.warning("UCX reset left references behind: %s", str(exc).splitlines()[0])
-        _owned = False
-        log.info("UCX context shut down")
+        del ctx
+        _shut_down(retries)
