@@ -148,6 +148,10 @@ def _merge_ranks(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 row[key] = max(p[key] for p in per_rank)
         if "finite" in first:
             row["finite"] = all(p["finite"] for p in per_rank)
+        if all(p.get("cpu_s") for p in per_rank):  # all ranks, or no figure
+            row["cpu_s_per_rank"] = [median(p["cpu_s"]) for p in per_rank]
+        if all(p.get("wakeups") for p in per_rank):
+            row["wakeups_per_rank"] = [median(p["wakeups"]) for p in per_rank]
         merged.append(row)
     return merged
 
@@ -560,7 +564,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "\nwire MiB: bytes the busiest rank's shaped device sent per call (Ethernet headers "
         "in); bound: max(wire time at the measured TCP rate, codec time at the measured "
-        "single-core codec rate / cores per rank); rel err: relative L2 error against gloo; "
+        "single-core codec rate / cores per rank); CPU ms/rank: the process CPU time (all "
+        "threads) per call, median, least and most busy rank; rel err: relative L2 error "
+        "against gloo; "
         "auto: the width the auto policy's cost model picks for a layer of that size."
     )
     if any(c.get("fsdp") for c in configs):

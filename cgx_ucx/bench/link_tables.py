@@ -21,9 +21,17 @@ TARGET_SPEEDUP, TARGET_X_BOUND = 4.0, 1.2
 TARGET_TRAIN_SPEEDUP, TARGET_LOSS = 3.0, 0.02
 
 
+def _cpu_range(cpu_s: list[float] | None) -> str:
+    """A row's CPU milliseconds per call, the least and the most busy rank."""
+    if not cpu_s:
+        return "-"
+    lo, hi = 1e3 * min(cpu_s), 1e3 * max(cpu_s)
+    return f"{lo:.0f}" if round(lo) == round(hi) else f"{lo:.0f}-{hi:.0f}"
+
+
 def tables(configs: list[dict[str, Any]]) -> str:
     head = ["world", "link", "size", "method", "time ms", "algbw GB/s", "speedup"]
-    head += ["wire MiB", "bound ms", "x bound", "rel err", "auto"]
+    head += ["wire MiB", "bound ms", "x bound", "CPU ms/rank", "rel err", "auto"]
     rows = []
     for c in configs:
         for r in c.get("allreduce", []):
@@ -39,6 +47,7 @@ def tables(configs: list[dict[str, Any]]) -> str:
                     r["tx_bytes"] / MIB if r["tx_bytes"] is not None else "-",
                     r["bound_s"] * 1e3,
                     r["x_bound"] if r["x_bound"] is not None else "-",
+                    _cpu_range(r.get("cpu_s_per_rank")),
                     r.get("rel_l2_err", "-") if r["method"] != "gloo" else "ref",
                     r.get("auto_bits") or "-",
                 ]

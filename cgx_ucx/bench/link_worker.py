@@ -104,6 +104,14 @@ def _iface_delta(after: dict[str, list[int]], before: dict[str, list[int]]) -> d
     }
 
 
+def _wakeups() -> int:
+    """Runs of this loop's UCX progress driver so far (0 before one exists)."""
+    from ..transport.progress import driver
+
+    drv = driver(asyncio.get_running_loop())
+    return drv.wakeups if drv is not None else 0
+
+
 def _progress(rank: int, **fields: Any) -> None:
     if rank == 0:
         print(PROGRESS + json.dumps(fields), file=sys.stderr, flush=True)
@@ -260,6 +268,7 @@ async def _allreduce_job(args: argparse.Namespace) -> dict[str, Any]:
             for method in methods:
                 times: list[float] = []
                 cpu: list[float] = []  # this process's CPU seconds (all threads) per call
+                wakes: list[int] = []  # the UCX progress driver's runs per call
                 wire: list[int] = []
                 err: dict[str, Any] = {}
                 iface0: dict[str, list[int]] | None = None
@@ -276,6 +285,7 @@ async def _allreduce_job(args: argparse.Namespace) -> dict[str, Any]:
                         iface0 = _iface_bytes()
                     await barrier()
                     tx0 = _tx_bytes()
+                    w0 = _wakeups()
                     c0 = time.process_time()
                     t0 = time.perf_counter()
                     if method == "gloo":
@@ -308,6 +318,7 @@ async def _allreduce_job(args: argparse.Namespace) -> dict[str, Any]:
                         times.append(dt)
                         cpu.append(dc)
                         wire.append(tx)
+                        wakes.append(_wakeups() - w0)
                     it += 1
                 if iface0 is not None:
                     # agree() ended the loop: every rank has finished its last call.
@@ -318,6 +329,7 @@ async def _allreduce_job(args: argparse.Namespace) -> dict[str, Any]:
                         "method": method,
                         "times": times,
                         "cpu_s": cpu,
+                        "wakeups": wakes,
                         "tx_bytes": wire,
                         **err,
                     }
