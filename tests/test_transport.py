@@ -318,6 +318,7 @@ def test_tcp_only_transports_send_eagerly(monkeypatch, tls, eager):
     """TCP-only: UCX_RNDV_THRESH=inf (rendezvous handshakes queued behind bulk data
     halved two-way throughput); never with other transports, never over the user's."""
     monkeypatch.delenv("UCX_RNDV_THRESH", raising=False)
+    monkeypatch.delenv("UCX_ZCOPY_THRESH", raising=False)
     for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"):  # one node
         monkeypatch.delenv(name, raising=False)
     if tls is None:
@@ -327,9 +328,12 @@ def test_tcp_only_transports_send_eagerly(monkeypatch, tls, eager):
     applied = ucx_env.apply_env_defaults()
     assert ("UCX_RNDV_THRESH" in applied) == eager
     assert os.environ.get("UCX_RNDV_THRESH") == ("inf" if eager else None)
+    assert os.environ.get("UCX_ZCOPY_THRESH") == ("0" if eager else None)
     monkeypatch.setenv("UCX_RNDV_THRESH", "64K")
-    assert "UCX_RNDV_THRESH" not in ucx_env.apply_env_defaults()
+    monkeypatch.setenv("UCX_ZCOPY_THRESH", "16K")
+    assert not {"UCX_RNDV_THRESH", "UCX_ZCOPY_THRESH"} & set(ucx_env.apply_env_defaults())
     assert os.environ["UCX_RNDV_THRESH"] == "64K"
+    assert os.environ["UCX_ZCOPY_THRESH"] == "16K"
 
 
 @pytest.mark.parametrize(
