@@ -8,7 +8,9 @@ Lighthouse, then any number of groups, at any time; kill and restart them freely
     TORCHFT_LIGHTHOUSE=http://localhost:29510 python examples/torchft_train.py --replica-id 0 &
     TORCHFT_LIGHTHOUSE=http://localhost:29510 python examples/torchft_train.py --replica-id 1
 
-``--diloco`` trains with DiLoCo instead, its pseudo-gradients at 2 bits. ``--demo`` runs
+``--diloco`` trains with DiLoCo instead, its pseudo-gradients at 2 bits; give its
+Lighthouse a join timeout longer than the groups' spread at an outer sync
+(``--join_timeout_ms 30000``), or a late group is left out and must heal every sync. ``--demo`` runs
 the whole story on this host: a Lighthouse, two groups, one of them SIGKILLed mid-run
 and restarted; both end at the same step with bit-identical parameters.
 """

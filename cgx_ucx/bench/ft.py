@@ -17,7 +17,10 @@ namespace of its own). The model is the 22 M-parameter MLP of ``bench train``
    torchft+gloo run, and whether
    every group ended at the same step with bit-identical parameters.
 2. DiLoCo (torchft.local_sgd) across ``--diloco-rate`` links: fp32 pseudo-gradients over
-   gloo, 4-bit and 2-bit over cgx. Reported: bytes per outer sync, sync time, final loss.
+   gloo, 4-bit and 2-bit over cgx. Reported: bytes per outer sync, the sync time (per
+   sync, as the last group to arrive saw it: quorum, all-reduce and commit, not the wait
+   for slower groups, which replica 0's median "wall" time includes), how many syncs
+   held every group, final loss.
 
 Prints two tables and the targets, writes ``ft.json`` and ``ft.png``. Without root (or
 with ``--no-netns``) the groups run unshaped on loopback: a dry run of the procedure, not
@@ -70,6 +73,15 @@ DILOCO_RUNS = (
 LIGHTHOUSE_PORT = 29400
 #: Seconds a whole run may take before it is stopped and reported as hung.
 RUN_TIMEOUT_S = 600.0
+#: The Lighthouse's join timeout (how long a quorum waits for a group of the previous one
+#: that is alive but late). Per-step runs: 1 s, so a slow group does not hold the others.
+#: DiLoCo: groups reach an outer sync seconds apart (20 inner steps of three processes
+#: sharing two cores), and a group left out of a quorum must then heal, downloading the
+#: whole state over the slow link while the others go on without it; with 1 s at
+#: 100 Mbit/s, a 4-bit run fell into that and never again synced all three groups
+#: (each sync 32 s, 248 MB of healing). A dead group is dropped on its heartbeat
+#: timeout whatever this is.
+DDP_JOIN_TIMEOUT_MS, DILOCO_JOIN_TIMEOUT_MS = 1000, 30000
 
 
 def _rate(text: str) -> str:
@@ -114,8 +126,11 @@ def _parser() -> argparse.ArgumentParser:
 class _Place:
     """The groups' namespaces (or loopback): commands, addresses and link byte counters."""
 
-    def __init__(self, groups: int, rate: str, netns: bool, workdir: Path) -> None:
+    def __init__(
+        self, groups: int, rate: str, netns: bool, workdir: Path, join_timeout_ms: int
+    ) -> None:
         self.groups = groups
+        self.join_timeout_ms = join_timeout_ms
         self.rate = rate
         self.netns = netns
         self.workdir = workdir
@@ -126,7 +141,7 @@ class _Place:
     @contextlib.contextmanager
     def up(self) -> Iterator[_Place]:
         if not self.netns:
-            lighthouse = Lighthouse(min_replicas=1)
+            lighthouse = Lighthouse(min_replicas=1, join_timeout_ms=self.join_timeout_ms)
             self.address = lighthouse.address
             try:
                 yield self
@@ -137,9 +152,11 @@ class _Place:
 
         with LinkEmulator(self.groups + 1, self.rate) as emu:
             self.emu = emu
+            serve = [sys.executable, "-m", "cgx_ucx.bench.ft_jobs", "--port", str(LIGHTHOUSE_PORT)]
+            serve += ["--join-timeout-ms", str(self.join_timeout_ms)]
             proc = emu.popen(
                 self.groups,
-                [sys.executable, "-m", "cgx_ucx.bench.ft_jobs", "--port", str(LIGHTHOUSE_PORT)],
+                serve,
                 stdout=open(self.workdir / "lighthouse.log", "w"),  # noqa: SIM115
                 stderr=open(self.workdir / "lighthouse.err", "w"),  # noqa: SIM115
             )
@@ -269,7 +286,20 @@ def _ddp_metrics(run: dict[str, Any], groups: int) -> dict[str, Any]:
     return metrics
 
 
-def _diloco_metrics(run: dict[str, Any]) -> dict[str, Any]:
+def _sync_costs(reports: dict[int, list[dict[str, Any]]], groups: int) -> list[float]:
+    """Per outer sync that every group committed together (after the first, which also
+    forms the first quorum): the sync time of the group that arrived last. The others'
+    times also hold their wait for it, which is the groups' compute skew, not the sync."""
+    by_step: dict[int, list[float]] = {}
+    for rows in reports.values():
+        for x in rows:
+            if x.get("event") == "sync" and x.get("committed") and x["participants"] == groups:
+                by_step.setdefault(x["step"], []).append(x["sync_s"])
+    steps = sorted(s for s, times in by_step.items() if len(times) == groups)
+    return [min(by_step[s]) for s in steps[1:]]
+
+
+def _diloco_metrics(run: dict[str, Any], groups: int) -> dict[str, Any]:
     syncs = [x for x in run["reports"][0] if x.get("event") == "sync"]
     later = syncs[1:] or syncs  # the first sync also forms the first quorum
     sent = [x["sent"] for x in later if x.get("sent")]
@@ -277,8 +307,12 @@ def _diloco_metrics(run: dict[str, Any]) -> dict[str, Any]:
     bytes_per_sync = statistics.median(sent) if sent else None
     if run["link_bytes"] is not None and syncs:
         bytes_per_sync = run["link_bytes"][0] / len(syncs)
+    costs = _sync_costs(run["reports"], groups)
     return {
-        "sync_s": statistics.median(x["sync_s"] for x in later) if later else None,
+        "sync_s": statistics.median(costs) if costs else None,
+        "sync_wall_s": statistics.median(x["sync_s"] for x in later) if later else None,
+        "syncs": len(syncs),
+        "syncs_all_groups": sum(1 for x in syncs if x["participants"] == groups),
         "bytes_per_sync": bytes_per_sync,
         "cgx_bytes_per_sync": statistics.median(sent) if sent else None,
         "final_loss": finals[0]["eval_loss"] if finals[0] else None,
@@ -382,10 +416,17 @@ def _print_tables(
         print(f"\nDiLoCo, an outer sync every {args.sync_every} steps, links {link}")
         rows = [
             [k, _fmt(m.get("bytes_per_sync"), 1e6), _fmt(m.get("sync_s")),
+             _fmt(m.get("sync_wall_s")), f"{m.get('syncs_all_groups', '-')}/{m.get('syncs', '-')}",
              _fmt(m.get("final_loss"), 1, 4), m.get("bit_identical")]
             for k, m in diloco.items()
         ]  # fmt: skip
-        print(format_table(["run", "MB/sync", "sync s", "eval loss", "same"], rows))
+        headers = ["run", "MB/sync", "sync s", "wall s", "all groups", "eval loss", "same"]
+        print(format_table(headers, rows))
+        print(
+            "sync s: per sync, the time of the group that arrived last (quorum, all-reduce, "
+            "commit), median; wall s: replica 0's, waits for slower groups included; "
+            "all groups: syncs whose quorum held every group"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -411,7 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ddp: dict[str, dict[str, Any]] = {}
     diloco: dict[str, dict[str, Any]] = {}
     if args.only in (None, "ddp"):
-        with _Place(args.groups, args.ddp_rate, netns, logs).up() as place:
+        with _Place(args.groups, args.ddp_rate, netns, logs, DDP_JOIN_TIMEOUT_MS).up() as place:
             runs = [(label, b, bits, args.kill_at) for label, b, bits in DDP_RUNS]
             runs.append(("reference (gloo, no kill)", "gloo", 32, None))
             for label, backend, bits, kill in runs:
@@ -424,7 +465,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 ddp[label] = {"backend": backend, "bits": bits, **_ddp_metrics(run, args.groups)}
     if args.only in (None, "diloco"):
-        with _Place(args.groups, args.diloco_rate, netns, logs).up() as place:
+        place = _Place(args.groups, args.diloco_rate, netns, logs, DILOCO_JOIN_TIMEOUT_MS)
+        with place.up():
             for label, backend, bits in DILOCO_RUNS:
                 print(f"ft: {label} ...", flush=True)
                 run = _run(
@@ -433,7 +475,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     _worker_args(args, backend, bits, "diloco"),
                     None,
                 )
-                diloco[label] = {"backend": backend, "bits": bits, **_diloco_metrics(run)}
+                metrics = _diloco_metrics(run, args.groups)
+                diloco[label] = {"backend": backend, "bits": bits, **metrics}
     _print_tables(args, netns, ddp, diloco)
     checks = targets(ddp, diloco)
     print("\nAgainst the targets:" + ("" if netns else " (loopback: not a measurement of links)"))

@@ -531,6 +531,8 @@ def _ft(data: dict[str, Any]) -> list[str]:
                 label,
                 fmt((m.get("bytes_per_sync") or 0) / 1e6 or None),
                 fmt(m.get("sync_s")),
+                fmt(m.get("sync_wall_s")),
+                f"{m['syncs_all_groups']}/{m['syncs']}" if "syncs" in m else "-",
                 fmt(m.get("final_loss")),
                 "yes" if m.get("bit_identical") else "no",
             ]
@@ -538,8 +540,14 @@ def _ft(data: dict[str, Any]) -> list[str]:
         ]
         out += [
             f"DiLoCo, an outer sync every {config.get('sync_every', '-')} steps, "
-            f"{rate_label(config.get('diloco_rate', '-'))} {where}:",
-            table(["run", "MB/sync", "sync s", "eval loss", "replicas equal"], rows),
+            f"{rate_label(config.get('diloco_rate', '-'))} {where}. Sync: per sync, the time "
+            "of the group that arrived last (quorum, all-reduce, commit); wall: replica 0's, "
+            "its wait for slower groups included; all groups: syncs whose quorum held every "
+            "group:",
+            table(
+                ["run", "MB/sync", "sync s", "wall s", "all groups", "eval loss", "replicas equal"],
+                rows,
+            ),
         ]
     checks = data.get("targets") or []
     if checks:
