@@ -26,6 +26,7 @@ keep them alive: a freed send buffer crashes a CMA transfer).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import logging
@@ -104,6 +105,11 @@ class Progress:
         #: driver spin or poll; background requests complete on events alone.
         self._due = 0
         self._scheduled = False
+        #: Runs queued by kick() and not yet run, oldest first (the loop runs them in that
+        #: order; one may still be queued after the reader ran the driver). close() cancels
+        #: them: each refers to the driver, hence the worker, until the loop runs it, which
+        #: a loop kept idle for later communicators may never do.
+        self._soon: collections.deque[asyncio.Handle] = collections.deque()
         self._timer: asyncio.TimerHandle | None = None
         self._closed = False
         self._boost = 0
@@ -136,8 +142,12 @@ class Progress:
         self._closed = True
         if not self.event_loop.is_closed():
             self.event_loop.remove_reader(self._fd)
+        while self._soon:
+            self._soon.popleft().cancel()
+        self._scheduled = False
         if self._timer is not None:
             self._timer.cancel()
+            self._timer = None
         for _, _, fut, _ in self._pending.values():
             if not fut.done():
                 fut.cancel()
@@ -153,7 +163,7 @@ class Progress:
         """Progress on the next loop iteration (after the callbacks already queued)."""
         if not self._scheduled and not self._closed:
             self._scheduled = True
-            self.event_loop.call_soon(self._run)
+            self._soon.append(self.event_loop.call_soon(self._run_soon))
 
     def submit(self, request: Any, keep: Any, background: bool = False) -> asyncio.Future:
         """An asyncio future for a UCXX request (``keep``: what must stay alive until done;
@@ -168,6 +178,10 @@ class Progress:
             self._active_until = self.event_loop.time() + SPIN_S
         self.kick()
         return fut
+
+    def _run_soon(self) -> None:
+        self._soon.popleft()
+        self._run()
 
     def _run(self) -> None:
         self._scheduled = False
