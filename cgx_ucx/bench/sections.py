@@ -524,6 +524,11 @@ def _ft(data: dict[str, Any]) -> list[str]:
             f"killed at step {config.get('kill_at', '-')} and restarted:",
             table(headers, rows),
         ]
+        trials = data.get("ddp_trials")
+        if trials and trials.get("trials", 1) > 1:
+            from .ft import trials_line
+
+            out.append(trials_line(trials) + ".")
     diloco = data.get("diloco") or {}
     if diloco:
         rows = [
