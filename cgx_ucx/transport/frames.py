@@ -33,8 +33,10 @@ Layout, little-endian, ``struct`` format ``<4sBBBBQIIHHIBBBBIQQQ16s``::
     16  I   comm          communicator id, agreed through the store (never random)
     20  I   seq           collective sequence number of the sender
     24  H   src           sender rank
-    26  H   phase         phase of the collective (algorithm-specific)
-    28  I   slot          piece / step index inside the phase
+    26  H   phase         phase of the collective (algorithm-specific; an ABORT's: its
+                          AbortCode)
+    28  I   slot          piece / step index inside the phase (an ABORT's: how many
+                          silent ranks its payload names, see below)
     32  B   dtype         DTYPE_CODES
     33  B   bits          uniform bits of the layout, MIXED_BITS when layers differ
     34  B   algorithm     Algo (sra, ring, direct)
@@ -49,6 +51,17 @@ Layout, little-endian, ``struct`` format ``<4sBBBBQIIHHIBBBBIQQQ16s``::
                           expects from this receiver; its other frames: 0)
     56  Q   payload       bytes of the payload (a message that follows, or inline; 0: none)
     64  16s check         BLAKE2b-128 of bytes 0..63 (keyed with the pair key, see above)
+
+Control frames (ABORT, BYE, STATUS, on the control channel) send their payload as a second
+message, never inline. An ABORT's payload is its reason, UTF-8, at most
+``control.MAX_REASON_NBYTES`` bytes, followed by ``slot`` ranks (at most
+``control.MAX_NAMED_SILENT``), one little-endian u16 each: the peers that did not answer the
+sender's status request (a stopped or cut-off process). ``payload`` counts both parts, so
+the reason is its first ``payload - 2 * slot`` bytes; ``count`` is the rank the ABORT
+blames, ``seq`` the collective it gave up. Its receiver does not wait for the named ranks'
+BYE when it closes, although it never asked them itself. An ABORT naming more ranks than
+that bound or than its payload holds, or whose reason exceeds its bound, is a
+ProtocolError.
 """
 
 from __future__ import annotations
