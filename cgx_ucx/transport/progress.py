@@ -41,6 +41,7 @@ __all__ = [
     "BOOST_PERIOD_S",
     "ENV_SPIN",
     "SAFETY_PERIOD_S",
+    "SPIN_MISSES",
     "SPIN_S",
     "Progress",
     "await_or_wake",
@@ -72,7 +73,19 @@ MIN_POLL_S = 20e-6
 #: and raises no event when FIFO space frees up; sleeping between fragments makes large
 #: allreduces several times slower and bimodal. 2 ms covers the gaps between fragments
 #: and between pipelined pieces; past it, the exponential back-off takes over.
+#:
+#: Spinning stops paying where transfers are slower than the spin: a large transfer on
+#: a slow link completes a piece every few milliseconds, and a spin after each burns
+#: 2 ms to find nothing (on 4 ranks at an emulated 1 Gbit/s, 64 MiB at 32 bits, about
+#: 1,500 of the driver's 2,000 runs a call; ``python -m cgx_ucx.bench link --world 4
+#: --rates 1gbit --bits 32``). So after SPIN_MISSES spins in a row ended with nothing
+#: completed, a completion starts a spin only if it followed the previous one within
+#: SPIN_S; a completion during a spin resets the count. 2 ranks, 64 MiB at 1 Gbit/s:
+#: 94-99 -> 86-92 CPU-ms a call at 32 bits, 51-59 -> 48-51 at 4 bits, times unchanged;
+#: on one host (shared memory, dense completions) 32 and 4 bits unchanged.
 SPIN_S = 0.002
+#: See SPIN_S.
+SPIN_MISSES = 3
 #: ``CGX_UCX_SPIN``: "auto" (default) spins as above only while the host has a spare
 #: core, "1" always, "0" never (sleep in epoll between polls). Spinning on an
 #: oversubscribed host takes the time slice from the peer (or the rank's own training
@@ -116,6 +129,9 @@ class Progress:
         self._poll = MIN_POLL_S
         self._timer_at = 0.0
         self._active_until = 0.0
+        self._spinning = False  # a spin window is open (see SPIN_S)
+        self._misses = 0  # spin windows in a row that ended with nothing completed
+        self._last_done = -1.0  # loop time of the last completion of a due request
         #: Times the driver ran (loop wake-ups spent on UCX: events, polls, spins) and
         #: requests it completed; the latency benchmark reports them per call.
         self.wakeups = 0
@@ -176,6 +192,7 @@ class Progress:
         if not background:
             self._due += 1
             self._active_until = self.event_loop.time() + SPIN_S
+            self._spinning = True
         self.kick()
         return fut
 
@@ -204,7 +221,15 @@ class Progress:
             self.kick()
         now = self.event_loop.time()
         if completed:
-            self._active_until = now + SPIN_S
+            if now < self._active_until:
+                self._misses = 0
+            if self._misses < SPIN_MISSES or now - self._last_done <= SPIN_S:
+                self._active_until = now + SPIN_S
+                self._spinning = True
+            self._last_done = now
+        elif self._spinning and now >= self._active_until:
+            self._spinning = False
+            self._misses += 1
         if self._due and now < self._active_until and self._may_spin():
             self._poll = MIN_POLL_S
             if not completed:

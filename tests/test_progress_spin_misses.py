@@ -1,0 +1,86 @@
+"""The progress driver's spin after a completion: kept while completions come densely
+(shared-memory fragments), given up once spins keep finding nothing (a slow link's
+pieces), and taken up again when completions come densely again."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from cgx_ucx.transport import progress
+
+
+class _Request:
+    def __init__(self) -> None:
+        self.completed = False
+
+    def check_error(self) -> None:
+        pass
+
+
+class _Worker:
+    def __init__(self) -> None:
+        self._r, self._w = os.pipe()
+        self.epoll_file_descriptor = self._r
+
+    def progress(self) -> None:
+        pass
+
+    def arm(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        os.close(self._r)
+        os.close(self._w)
+
+
+@pytest.fixture
+def driver(monkeypatch):
+    monkeypatch.setattr(progress, "host_oversubscribed", lambda: False)
+    loop = asyncio.new_event_loop()
+    worker = _Worker()
+    drv = progress.Progress(worker, loop)
+    drv._spin_mode = "auto"
+    try:
+        yield loop, drv
+    finally:
+        drv.close()
+        loop.close()
+        worker.close()
+
+
+def _spin_windows_opened(loop, drv, gaps_s: list[float]) -> list[bool]:
+    """Keep one request due; complete another after each gap. For each completion:
+    whether a spin window opened right after it."""
+    loop.run_until_complete(asyncio.sleep(0))
+    drv.submit(_Request(), None)  # stays due: the driver has something to wait for
+    opened = []
+    for gap in gaps_s:
+        req = _Request()
+        drv.submit(req, None)
+        loop.run_until_complete(asyncio.sleep(gap))
+        req.completed = True
+        drv._run()
+        opened.append(drv._active_until > loop.time())
+    return opened
+
+
+def test_sparse_completions_stop_spinning_after_spin_misses(driver):
+    loop, drv = driver
+    gaps = [4 * progress.SPIN_S] * (progress.SPIN_MISSES + 3)
+    opened = _spin_windows_opened(loop, drv, gaps)
+    # Each post opens a window that ends fruitless before its request completes; after
+    # SPIN_MISSES of them, a sparse completion no longer opens one.
+    assert opened[-2:] == [False, False], opened
+    assert opened[0] is True
+
+
+def test_dense_completions_keep_spinning(driver):
+    loop, drv = driver
+    sparse = [4 * progress.SPIN_S] * (progress.SPIN_MISSES + 2)
+    dense = [progress.SPIN_S / 10] * 4
+    opened = _spin_windows_opened(loop, drv, sparse + dense)
+    assert opened[len(sparse) - 1] is False
+    assert all(opened[len(sparse) + 1 :]), opened
