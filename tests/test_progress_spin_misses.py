@@ -5,9 +5,9 @@ pieces), and taken up again when completions come densely again."""
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
+from test_progress_close import _Worker
 
 from cgx_ucx.transport import progress
 
@@ -18,22 +18,6 @@ class _Request:
 
     def check_error(self) -> None:
         pass
-
-
-class _Worker:
-    def __init__(self) -> None:
-        self._r, self._w = os.pipe()
-        self.epoll_file_descriptor = self._r
-
-    def progress(self) -> None:
-        pass
-
-    def arm(self) -> bool:
-        return True
-
-    def close(self) -> None:
-        os.close(self._r)
-        os.close(self._w)
 
 
 @pytest.fixture
