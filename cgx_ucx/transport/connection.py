@@ -53,14 +53,11 @@ class MeshSetup(MeshControl):
         self._failed = self._loop.create_future()
         self._failed.add_done_callback(_consume)
         self._ucxx = _ucx.acquire(self.config.progress_mode, self.config.ucx_env)
-        drv = _progress.driver(self._loop)
-        if drv is not None:
-            drv.boost(True)
+        _boost(self._loop, True)
         try:
             await self._connect_all(rdzv, host)
         finally:
-            if drv is not None:
-                drv.boost(False)
+            _boost(self._loop, False)
 
     async def _connect_all(self, rdzv: Rendezvous, host: str) -> None:
         ucxx = self._ucxx
@@ -280,12 +277,14 @@ class MeshSetup(MeshControl):
                 addr.host, addr.port, connect_timeout=_hs.remaining(deadline)
             )
         except TimeoutError as exc:
+            _ucx.release_abandoned_endpoints(exc)
             raise RendezvousError(
                 await self._peer_lost(rdzv, r, addr)
                 or f"rank {self.rank} could not reach {where}: no answer within "
                 f"{self.config.connect_timeout:g} s"
             ) from exc
         except _ucx.errors() as exc:
+            _ucx.release_abandoned_endpoints(exc)
             lost = await self._peer_lost(rdzv, r, addr)
             text = f"cannot connect to {where}: {exc or type(exc).__name__}"
             raise RendezvousError(
@@ -357,6 +356,15 @@ class MeshSetup(MeshControl):
         finally:
             if task is not None:
                 self._tasks.discard(task)
+
+
+def _boost(loop: asyncio.AbstractEventLoop, on: bool) -> None:
+    """Boost the loop's progress driver while connecting (see Progress.boost). Looked up
+    each time, never kept in a frame: a failed connect's traceback holds its frames until a
+    garbage collection, and a driver there would hold the UCX worker as long."""
+    drv = _progress.driver(loop)
+    if drv is not None:
+        drv.boost(on)
 
 
 def _data_error_handling(wanted: bool, kind: str) -> bool:

@@ -35,12 +35,15 @@ running gets the running one (logged).
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import functools
 import gc
 import logging
 import os
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Mapping
 from typing import Any
 
@@ -56,6 +59,7 @@ __all__ = [
     "errors",
     "multi_node_defaults",
     "release",
+    "release_abandoned_endpoints",
     "ucxx_module",
 ]
 
@@ -274,6 +278,63 @@ def acquire(progress_mode: str, ucx_env: Mapping[str, str] | None = None) -> Any
             _progress.install(ucxx, loop)
         _users += 1
         return ucxx
+
+
+#: ucxx's ``size_t ucxx::Endpoint::getCancelingSize() const`` (exported by libucxx, not
+#: by its Python API): see release_abandoned_endpoints.
+_CANCELING_SIZE_SYMBOL = "_ZNK4ucxx8Endpoint16getCancelingSizeEv"
+
+
+@functools.cache
+def _canceling_size() -> Any:
+    """``Endpoint::getCancelingSize`` of the libucxx ucxx loaded (RTLD_NOLOAD: never a
+    second copy), or None where it cannot be found (another ucxx build)."""
+    try:
+        fn = getattr(ctypes.CDLL("libucxx.so", mode=os.RTLD_NOLOAD), _CANCELING_SIZE_SYMBOL)
+    except (OSError, AttributeError) as exc:
+        log.debug("ucxx's Endpoint::getCancelingSize not found: %s", exc)
+        return None
+    fn.argtypes = [ctypes.c_void_p]
+    fn.restype = ctypes.c_size_t
+    return fn
+
+
+def release_abandoned_endpoints(exc: BaseException) -> int:
+    """Close the endpoints that a failed ucxx call left in the frames of ``exc`` (a
+    ``create_endpoint`` whose exchange with the peer timed out, against an address that
+    does not answer), so that they and their UCX worker are freed; returns how many.
+
+    Why (ucxx 0.52): ``create_endpoint`` posts a stream receive on the new endpoint. The
+    timeout drops the Python request, whose cancel UCP ignores for stream receives, so
+    the C++ request stays in the endpoint's in-flight set, holding a reference to the
+    endpoint, which holds the worker: a C++ cycle that nothing frees, keeping the whole
+    UCX worker (about 17 descriptors, shared memory) until the process exits. ucxx's blocking
+    close (what ``Endpoint.abort`` runs) completes the receive, but first moves it to the
+    endpoint's "canceling" set, which only ``Endpoint::getCancelingSize`` empties, and
+    nothing calls that; it is called here. The finished frames of ``exc`` (ucxx's) are
+    cleared as well: they would hold the endpoint for as long as the caller keeps the
+    error."""
+    from ucxx._lib.libucxx import UCXEndpoint
+
+    tb = exc.__traceback__
+    found: list[Any] = []
+    for frame, _ in traceback.walk_tb(tb):
+        for obj in gc.get_referents(frame):  # its locals, without making a locals dict
+            if isinstance(obj, UCXEndpoint) and all(obj is not f for f in found):
+                found.append(obj)
+    if tb is not None:
+        traceback.clear_frames(tb)  # frames still running (the caller's) stay as they are
+    purge = _canceling_size()
+    for ep in found:
+        try:
+            ep.close_blocking(period=ABORT_PERIOD_NS, max_attempts=1)
+            left = purge(ep.ucxx_ptr) if purge is not None else 0
+        except Exception as err:  # pragma: no cover - ucxx refusing to close a dead endpoint
+            log.debug("closing an endpoint of a failed dial: %s", err)
+            continue
+        if left:
+            log.debug("endpoint of a failed dial closed, %d request(s) still held", left)
+    return len(found)
 
 
 def _stop_progress_tasks(ucxx: Any) -> None:
