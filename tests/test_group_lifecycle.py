@@ -63,8 +63,8 @@ def test_new_group_in_different_orders_raises_a_mismatch_on_every_rank() -> None
 
 def _compile_threads() -> int:
     """Threads no group leaves behind: the host codec's compile thread (one per process,
-    started the first time a kernel is due, compression.kernels) and a live group's
-    staging release timer (one per pool, gone a second after its last call)."""
+    started the first time a kernel is due, compression.kernels) and the staging release
+    thread (one per process, started by the first call that stages memory)."""
     import threading
 
     return sum(t.name in ("cgx-compile", "cgx-staging-release") for t in threading.enumerate())

@@ -211,8 +211,8 @@ def _resources() -> dict[str, int]:
     with open("/proc/self/status") as f:
         status = dict(line.split(":", 1) for line in f if ":" in line)
     # The host codec's compile thread is one per process, started the first time a kernel
-    # is due (compression.kernels), whenever that is, and a live group's staging release
-    # timer goes a second after its last call: not threads a reconfiguration leaves.
+    # is due (compression.kernels), whenever that is, and so is the staging release thread
+    # (started by the first call that stages memory): not threads a reconfiguration leaves.
     transient = ("cgx-compile", "cgx-staging-release")
     compile_threads = sum(t.name in transient for t in threading.enumerate())
     return {

@@ -7,9 +7,13 @@ GPU memory goes to UCX as is (no host copy): UCX moves it with cuda_ipc / cuda_c
 
 from __future__ import annotations
 
+import atexit
+import logging
 import mmap
+import os
 import threading
 import time
+import weakref
 from collections import defaultdict
 from typing import Any
 
@@ -23,6 +27,7 @@ from ..transport.shm import Descriptor, PeerSegments, Segment, SegmentPool
 __all__ = [
     "DEFAULT_CAP_BYTES",
     "RELEASE_AFTER_S",
+    "RELEASE_THREAD_NAME",
     "BufferPool",
     "as_flat",
     "byte_view",
@@ -30,6 +35,8 @@ __all__ = [
     "size_class",
     "synchronize",
 ]
+
+log = logging.getLogger("cgx_ucx.collectives")
 
 
 def as_flat(x: Any, what: str = "x", writable: bool = False) -> Any:
@@ -106,6 +113,93 @@ def _host_buffer(size: int) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE), np.uint8)
 
 
+#: Name of the thread that runs the idle releases (one per process, see _Releaser).
+RELEASE_THREAD_NAME = "cgx-staging-release"
+#: How long interpreter exit waits for a release in progress to finish.
+RELEASE_STOP_S = 1.0
+
+
+class _Releaser:
+    """The idle release of every pool of the process, on one daemon thread started on
+    first use that sleeps until the earliest deadline. A pool is due again at most once
+    per RELEASE_AFTER_S while calls keep coming: one thread per release would start a
+    thread a second per communicator in use. Pools are held weakly (a dropped
+    communicator's pool goes at once); the thread stops at interpreter exit."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        #: id(pool) -> (monotonic deadline, weak reference to the pool).
+        self._due: dict[int, tuple[float, weakref.ref]] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    def schedule(self, pool: BufferPool, when: float) -> None:
+        """Run ``pool.release_if_idle()`` at ``when`` (time.monotonic), or earlier where it
+        is due earlier already."""
+        with self._cond:
+            if self._stopping:
+                return
+            due = self._due.get(id(pool))
+            if due is None or due[1]() is not pool or when < due[0]:
+                self._due[id(pool)] = (when, weakref.ref(pool))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name=RELEASE_THREAD_NAME, daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
+
+    def cancel(self, pool: BufferPool) -> None:
+        with self._cond:
+            due = self._due.get(id(pool))
+            if due is not None and due[1]() is pool:
+                del self._due[id(pool)]
+
+    def stop(self) -> None:
+        """End the thread (at interpreter exit), after the release it may be running."""
+        with self._cond:
+            self._stopping = True
+            self._due.clear()
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(RELEASE_STOP_S)
+
+    def after_fork(self) -> None:
+        # A forked child has no such thread, and the lock may have been held at the fork.
+        self._cond = threading.Condition()
+        self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    if self._stopping:
+                        return
+                    now = time.monotonic()
+                    ready = [k for k, (when, _) in self._due.items() if when <= now]
+                    if ready:
+                        pools = [self._due.pop(k)[1] for k in ready]
+                        break
+                    nxt = min((when for when, _ in self._due.values()), default=None)
+                    self._cond.wait(None if nxt is None else nxt - now)
+            for ref in pools:
+                pool = ref()
+                if pool is None:
+                    continue
+                try:
+                    pool.release_if_idle()
+                except Exception:  # never end the thread every pool relies on
+                    log.exception("releasing idle staging")
+                del pool
+
+
+_releaser = _Releaser()
+atexit.register(_releaser.stop)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_releaser.after_fork)
+
+
 class BufferPool:
     """Staging buffers reused across collectives (no per-call allocation on the hot path).
 
@@ -137,7 +231,8 @@ class BufferPool:
         self.segments = SegmentPool()
         self._peer_segments: PeerSegments | None = None
         self._last_use = time.monotonic()
-        self._timer: threading.Timer | None = None
+        #: A release is scheduled (on the process's releaser thread).
+        self._armed = False
         #: ids of the buffers taken and not given back (each alive: its taker holds it).
         self._lent: set[int] = set()
 
@@ -162,25 +257,21 @@ class BufferPool:
         """Note a use; make sure a release is due :data:`RELEASE_AFTER_S` after the last."""
         with self._lock:
             self._last_use = time.monotonic()
-            if self._timer is None:
-                self._arm(RELEASE_AFTER_S)
+            if not self._armed:
+                self._armed = True
+                _releaser.schedule(self, self._last_use + RELEASE_AFTER_S)
 
-    def _arm(self, delay: float) -> None:
-        timer = threading.Timer(delay, self._release_idle)
-        timer.daemon = True
-        timer.name = "cgx-staging-release"
-        self._timer = timer
-        timer.start()
-
-    def _release_idle(self) -> None:
-        """Timer: once the pool has been unused for RELEASE_AFTER_S, trim what is idle to
-        the cap and unmap the peers' segments; earlier, wait for the rest of the time."""
+    def release_if_idle(self) -> None:
+        """On the releaser thread: once the pool has been unused for RELEASE_AFTER_S, trim
+        what is idle to the cap and unmap the peers' segments; earlier, wait for the rest
+        of the time."""
         with self._lock:
-            quiet = time.monotonic() - self._last_use
-            if quiet < RELEASE_AFTER_S:
-                self._arm(RELEASE_AFTER_S - quiet)
+            if not self._armed:  # cleared meanwhile
                 return
-            self._timer = None
+            if time.monotonic() - self._last_use < RELEASE_AFTER_S:
+                _releaser.schedule(self, self._last_use + RELEASE_AFTER_S)
+                return
+            self._armed = False
             drop = self._trim_locked()
         del drop  # host buffers unmap here, outside the lock
         self.segments.trim(self.cap_bytes)
@@ -252,9 +343,9 @@ class BufferPool:
         with self._lock:
             self._free.clear()
             self._idle_bytes = 0
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
+            if self._armed:
+                self._armed = False
+                _releaser.cancel(self)
         self.segments.clear()
         if self._peer_segments is not None:
             self._peer_segments.clear()

@@ -1,0 +1,120 @@
+"""The idle-staging release runs on one thread per process, whatever the number of pools
+and for as long as calls keep coming (a thread per release would start one a second per
+communicator in use), and still releases once a pool goes unused."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from cgx_ucx.collectives import staging
+from cgx_ucx.collectives.staging import RELEASE_THREAD_NAME, BufferPool, size_class
+
+pytestmark = pytest.mark.timeout(60)
+
+MiB = 1 << 20
+
+
+def _release_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == RELEASE_THREAD_NAME]
+
+
+@pytest.fixture
+def quick_release(monkeypatch):
+    """A release delay of 0.1 s instead of the default's second."""
+    monkeypatch.setattr(staging, "RELEASE_AFTER_S", 0.1)
+    return 0.1
+
+
+def _idle_within(pool: BufferPool, limit_s: float) -> int:
+    end = time.monotonic() + limit_s
+    while pool.usage()["idle"] and time.monotonic() < end:
+        time.sleep(0.01)
+    return pool.usage()["idle"]
+
+
+def test_calls_spanning_many_release_delays_use_one_thread(quick_release):
+    """Two pools used every 20 ms for 30 release delays, then left alone: one release
+    thread in all (the same one before, during and after), and both pools released."""
+    pools = [BufferPool(0), BufferPool(0)]
+    like = np.empty(0, np.uint8)
+    seen: set[threading.Thread] = set()
+    end = time.monotonic() + 30 * quick_release
+    while time.monotonic() < end:
+        for pool in pools:
+            pool.give(pool.take(MiB, like))
+        seen.update(_release_threads())
+        time.sleep(quick_release / 5)
+    assert all(p.usage()["idle"] == size_class(MiB) for p in pools)  # kept while in use
+    for pool in pools:
+        assert _idle_within(pool, 20 * quick_release) == 0
+    seen.update(_release_threads())
+    assert len(seen) == 1, seen
+    assert all(t.daemon and t.is_alive() for t in seen)  # kept for the next calls
+
+
+def test_a_pool_used_again_after_its_release_is_released_again(quick_release):
+    pool = BufferPool(0)
+    like = np.empty(0, np.uint8)
+    for _ in range(3):
+        pool.give(pool.take(MiB, like))
+        assert _idle_within(pool, 20 * quick_release) == 0
+    assert len(_release_threads()) == 1
+
+
+def test_a_dropped_pool_is_not_kept_by_its_release(quick_release):
+    import gc
+    import weakref
+
+    pool = BufferPool(0)
+    pool.give(pool.take(MiB, np.empty(0, np.uint8)))  # a release is due
+    ref = weakref.ref(pool)
+    del pool
+    gc.collect()
+    assert ref() is None
+    time.sleep(3 * quick_release)  # its deadline passes without it
+    assert len(_release_threads()) == 1
+
+
+def test_the_releaser_stops_after_a_release_in_progress():
+    releaser = staging._Releaser()
+    started, done = threading.Event(), threading.Event()
+
+    class SlowPool:
+        def release_if_idle(self) -> None:
+            started.set()
+            time.sleep(0.2)
+            done.set()
+
+    pool = SlowPool()
+    releaser.schedule(pool, time.monotonic())  # type: ignore[arg-type]
+    assert started.wait(5)
+    releaser.stop()
+    assert done.is_set() and not releaser._thread.is_alive()
+    releaser.schedule(pool, time.monotonic())  # type: ignore[arg-type] - ignored once stopped
+    assert not releaser._due
+
+
+def test_the_release_thread_is_stopped_at_interpreter_exit():
+    """A pool with a release due at exit: the thread is stopped by the exit handler
+    (handlers run last registered first, so the check registered before runs after it)."""
+    code = (
+        "import atexit, threading\n"
+        "def check():\n"
+        "    alive = [t for t in threading.enumerate() if t.name == 'cgx-staging-release']\n"
+        "    print('alive' if alive and alive[0].is_alive() else 'stopped')\n"
+        "atexit.register(check)\n"
+        "import numpy as np\n"
+        "from cgx_ucx.collectives.staging import BufferPool\n"
+        "pool = BufferPool(0)\n"
+        "pool.give(pool.take(1 << 20, np.empty(0, np.uint8)))\n"
+        "assert [t for t in threading.enumerate() if t.name == 'cgx-staging-release']\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "stopped", (out.stdout, out.stderr)
