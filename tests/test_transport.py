@@ -513,16 +513,25 @@ async def context_kept_while_referenced(ctx):
     assert again is ucxx
     ucx_env.release()
     reset = ucxx.core._ctx is None
+
     # A parked listener (a communicator that gave up connecting) stays open, and keeps
     # the context, until its deadline, when both close on the loop with no further call.
+    async def reset_within(seconds: float) -> bool:
+        # Polled, not one sleep: on a loaded machine the loop may run the deadline late.
+        end = time.monotonic() + seconds
+        while ucxx.core._ctx is not None and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+        return ucxx.core._ctx is None
+
     ucxx = ucx_env.acquire("blocking")
-    ucx_env.park_listener(ucxx.create_listener(lambda ep: None), 0.3)
+    parked_at = time.monotonic()
+    ucx_env.park_listener(ucxx.create_listener(lambda ep: None), 1.0)
     ucx_env.release()
     parked_kept = ucxx.core._ctx is not None
-    await asyncio.sleep(0.2)
-    parked_kept_before = ucxx.core._ctx is not None
-    await asyncio.sleep(0.4)
-    parked_reset = ucxx.core._ctx is None
+    await asyncio.sleep(0.3)
+    # Still open before its deadline (a check that ran late proves nothing either way).
+    parked_kept_before = ucxx.core._ctx is not None or time.monotonic() - parked_at >= 1.0
+    parked_reset = await reset_within(10.0)
     # A context kept by a holder that goes away later is shut down by a retry.
     ucxx = ucx_env.acquire("blocking")
     listener = ucxx.create_listener(lambda ep: None)
@@ -530,8 +539,7 @@ async def context_kept_while_referenced(ctx):
     held = ucxx.core._ctx is not None
     listener.close()
     del listener
-    await asyncio.sleep(ucx_env.SHUTDOWN_RETRY_S[0] + 0.3)
-    retried = ucxx.core._ctx is None
+    retried = await reset_within(ucx_env.SHUTDOWN_RETRY_S[0] + 10.0)
     return kept, reset, (parked_kept, parked_kept_before, parked_reset), (held, retried)
 
 
