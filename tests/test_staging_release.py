@@ -1,6 +1,7 @@
 """The idle-staging release runs on one thread per process, whatever the number of pools
 and for as long as calls keep coming (a thread per release would start one a second per
-communicator in use), and still releases once a pool goes unused."""
+communicator in use), still releases once a pool goes unused, and ends once no pool is
+due (a closed communicator leaves no thread behind)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,13 @@ def quick_release(monkeypatch):
     return 0.1
 
 
+def _no_release_thread_within(limit_s: float) -> bool:
+    end = time.monotonic() + limit_s
+    while _release_threads() and time.monotonic() < end:
+        time.sleep(0.01)
+    return not _release_threads()
+
+
 def _idle_within(pool: BufferPool, limit_s: float) -> int:
     end = time.monotonic() + limit_s
     while pool.usage()["idle"] and time.monotonic() < end:
@@ -53,9 +61,9 @@ def test_calls_spanning_many_release_delays_use_one_thread(quick_release):
     assert all(p.usage()["idle"] == size_class(MiB) for p in pools)  # kept while in use
     for pool in pools:
         assert _idle_within(pool, 20 * quick_release) == 0
-    seen.update(_release_threads())
     assert len(seen) == 1, seen
-    assert all(t.daemon and t.is_alive() for t in seen)  # kept for the next calls
+    assert all(t.daemon for t in seen)
+    assert _no_release_thread_within(5.0)  # nothing due: it ended
 
 
 def test_a_pool_used_again_after_its_release_is_released_again(quick_release):
@@ -63,8 +71,9 @@ def test_a_pool_used_again_after_its_release_is_released_again(quick_release):
     like = np.empty(0, np.uint8)
     for _ in range(3):
         pool.give(pool.take(MiB, like))
+        assert len(_release_threads()) == 1
         assert _idle_within(pool, 20 * quick_release) == 0
-    assert len(_release_threads()) == 1
+        assert _no_release_thread_within(5.0)
 
 
 def test_a_dropped_pool_is_not_kept_by_its_release(quick_release):
@@ -78,7 +87,16 @@ def test_a_dropped_pool_is_not_kept_by_its_release(quick_release):
     gc.collect()
     assert ref() is None
     time.sleep(3 * quick_release)  # its deadline passes without it
+    assert _no_release_thread_within(5.0)
+
+
+def test_clearing_the_last_due_pool_ends_the_thread_at_once():
+    """What a communicator's close does: nothing left due, no thread left when it returns."""
+    pool = BufferPool(0)
+    pool.give(pool.take(MiB, np.empty(0, np.uint8)))  # a release due in a second
     assert len(_release_threads()) == 1
+    pool.clear()
+    assert _release_threads() == []
 
 
 def test_the_releaser_stops_after_a_release_in_progress():

@@ -124,7 +124,8 @@ class _Releaser:
     first use that sleeps until the earliest deadline. A pool is due again at most once
     per RELEASE_AFTER_S while calls keep coming: one thread per release would start a
     thread a second per communicator in use. Pools are held weakly (a dropped
-    communicator's pool goes at once); the thread stops at interpreter exit."""
+    communicator's pool goes at once); the thread ends once no pool is due (a closed
+    communicator leaves no thread behind) and at interpreter exit."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -150,10 +151,16 @@ class _Releaser:
             self._cond.notify()
 
     def cancel(self, pool: BufferPool) -> None:
+        """Forget ``pool``'s release; with no other pool due, end the thread and wait
+        for it (not with the pool's lock held: the thread may be releasing that pool)."""
         with self._cond:
             due = self._due.get(id(pool))
             if due is not None and due[1]() is pool:
                 del self._due[id(pool)]
+            thread = self._thread if not self._due else None
+            self._cond.notify()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(RELEASE_STOP_S)
 
     def stop(self) -> None:
         """End the thread (at interpreter exit), after the release it may be running."""
@@ -181,8 +188,10 @@ class _Releaser:
                     if ready:
                         pools = [self._due.pop(k)[1] for k in ready]
                         break
-                    nxt = min((when for when, _ in self._due.values()), default=None)
-                    self._cond.wait(None if nxt is None else nxt - now)
+                    if not self._due:  # schedule() starts a new thread when one is due
+                        self._thread = None
+                        return
+                    self._cond.wait(min(when for when, _ in self._due.values()) - now)
             for ref in pools:
                 pool = ref()
                 if pool is None:
@@ -343,9 +352,9 @@ class BufferPool:
         with self._lock:
             self._free.clear()
             self._idle_bytes = 0
-            if self._armed:
-                self._armed = False
-                _releaser.cancel(self)
+            armed, self._armed = self._armed, False
+        if armed:
+            _releaser.cancel(self)
         self.segments.clear()
         if self._peer_segments is not None:
             self._peer_segments.clear()
