@@ -85,3 +85,85 @@ def test_benchmarks_page_shows_the_trials_line():
     trials = {"trials": 10, "finished": 10, "bit_identical": 10, "steps_lost": 0}
     data["ddp_trials"] = {**trials, "stall_s": [1.0, 1.2, 1.4], "rejoin_s": None}
     assert any("10/10 bit-identical" in part for part in _ft(data))
+
+
+def test_diloco_phases_of_the_last_arrival_and_the_target_on_communication():
+    def timed(step, sync_s, quorum, wait, outer):
+        phases = {"quorum": quorum, "prepare": 0.05, "wait": wait, "commit": 0.0, "outer": outer}
+        return {**_sync(step, sync_s, participants=2), "phases": phases}
+
+    def metrics(group0, group1):
+        first = timed(1, 20.0, 0.0, 9.0, 1.0)  # forms the first quorum: left out
+        final = {"final": True, "digest": "d", "eval_loss": 1.5}
+        reports = {0: [first, *group0, final], 1: [first, *group1, final]}
+        return _diloco_metrics({"reports": reports, "link_bytes": None, "codes": {0: 0, 1: 0}}, 2)
+
+    # Group 1 arrives last at step 2 (the shorter sync: no quorum wait), group 0 at step 3.
+    fp32 = metrics(
+        [timed(2, 13.0, 2.0, 10.0, 0.25), timed(3, 10.3, 0.0, 10.0, 0.25)],
+        [timed(2, 10.4, 0.1, 10.0, 0.25), timed(3, 12.0, 2.0, 9.0, 0.5)],
+    )
+    assert fp32["sync_s"] == pytest.approx(10.35)
+    assert fp32["comm_s"] == pytest.approx(10.1)  # the median of 10.15 and 10.05
+    assert fp32["outer_s"] == pytest.approx(0.25)
+    d4 = metrics(
+        [timed(2, 1.8, 0.0, 1.45, 0.3), timed(3, 1.9, 0.0, 1.55, 0.3)],
+        [timed(2, 2.5, 0.7, 1.45, 0.3), timed(3, 2.6, 0.7, 1.55, 0.3)],
+    )
+    assert d4["comm_s"] == pytest.approx(1.55)
+
+    def check(d4_metrics):
+        runs = {"DiLoCo fp32 (gloo)": fp32, "DiLoCo cgx 4-bit": d4_metrics}
+        (c,) = [c for c in targets({}, runs) if c["target"].startswith("DiLoCo 4-bit outer sync")]
+        return c
+
+    c = check(d4)
+    assert "quorum, all-reduce, commit" in c["target"]
+    assert c["met"] is True  # 10.1 / 1.55
+    assert "6.52x" in c["detail"] and "5.59x" in c["detail"]  # whole syncs: 10.35 / 1.85
+    assert check({**d4, "comm_s": 1.8})["met"] is False
+    # Reports without phases (older workers): the whole sync is checked.
+    bare = check({k: v for k, v in d4.items() if k not in ("comm_s", "outer_s", "phases_s")})
+    assert bare["target"] == "DiLoCo 4-bit outer sync >= 6x faster than fp32 gloo"
+    assert bare["met"] is False
+
+
+def test_worker_phases_split_a_sync_into_quorum_wait_commit_and_outer(monkeypatch):
+    from cgx_ucx.bench import ft_worker
+
+    clock = [0.0]
+    monkeypatch.setattr(ft_worker.time, "perf_counter", lambda: clock[0])
+
+    class Manager:
+        def start_quorum(self):
+            clock[0] += 0.5
+
+        def should_commit(self):
+            clock[0] += 0.1
+            return True
+
+    manager = Manager()
+
+    class Fragment:
+        def prepare_sync(self):
+            clock[0] += 0.2
+
+        def _save_local_parameters(self):
+            clock[0] += 0.3
+
+        def perform_sync(self):
+            clock[0] += 2.0  # the wait for the all-reduce
+            self._save_local_parameters()
+            manager.should_commit()
+            clock[0] += 0.4
+
+    fragment = Fragment()
+    phases = ft_worker._Phases(manager, [fragment])
+    manager.start_quorum()
+    fragment.prepare_sync()
+    assert fragment.perform_sync() is None
+    spent = phases.take()
+    assert spent == pytest.approx(
+        {"quorum": 0.5, "prepare": 0.2, "wait": 2.0, "commit": 0.1, "outer": 0.7}
+    )
+    assert phases.take() == {"outer": 0.0}

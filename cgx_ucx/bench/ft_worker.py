@@ -289,6 +289,57 @@ def _done(args: argparse.Namespace, manager: Any) -> bool:
     return manager.current_step() > 0 and manager.num_participants() >= args.end_with
 
 
+class _Phases:
+    """Seconds spent in each phase of an outer sync, summed until :meth:`take`: the
+    quorum (``start_quorum``), handing the pseudo-gradients to the group (``prepare``),
+    waiting for their all-reduce (``wait``), the commit vote (``commit``) and the rest
+    of ``perform_sync``: the outer step, the merge and the parameter copies (``outer``)."""
+
+    def __init__(self, manager: Any, fragments: Sequence[Any]) -> None:
+        self.spent: dict[str, float] = {}
+        self._t0 = 0.0
+        self._wrap(manager, "start_quorum", "quorum")
+        self._wrap(manager, "should_commit", "commit")
+        for f in fragments:
+            self._wrap(f, "prepare_sync", "prepare")
+            self._wrap(f, "perform_sync", "perform")
+            self._mark(f, "_save_local_parameters")  # the first call after the waits
+
+    def _wrap(self, obj: Any, name: str, phase: str) -> None:
+        inner = getattr(obj, name)
+
+        def timed(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                self.spent[phase] = self.spent.get(phase, 0.0) + time.perf_counter() - t0
+
+        setattr(obj, name, timed)
+
+    def _mark(self, obj: Any, name: str) -> None:
+        inner = getattr(obj, name)
+        perform = obj.perform_sync  # the timed wrapper
+
+        def marked(*a: Any, **kw: Any) -> Any:
+            self.spent["wait"] = self.spent.get("wait", 0.0) + time.perf_counter() - self._t0
+            return inner(*a, **kw)
+
+        def perform_marked(*a: Any, **kw: Any) -> Any:
+            self._t0 = time.perf_counter()
+            return perform(*a, **kw)
+
+        setattr(obj, name, marked)
+        obj.perform_sync = perform_marked
+
+    def take(self) -> dict[str, float]:
+        spent, self.spent = self.spent, {}
+        # perform_sync holds the wait for the all-reduce, the commit vote and the outer step.
+        perform = spent.pop("perform", 0.0)
+        spent["outer"] = max(perform - spent.get("commit", 0.0) - spent.get("wait", 0.0), 0.0)
+        return {k: round(v, 4) for k, v in spent.items()}
+
+
 def _run_diloco(
     args: argparse.Namespace,
     manager: Any,
@@ -304,7 +355,9 @@ def _run_diloco(
     from torchft.local_sgd import DiLoCo
 
     local = 0
-    with DiLoCo(manager, [model], inner, outer, sync_every=args.sync_every) as _:
+    with DiLoCo(manager, [model], inner, outer, sync_every=args.sync_every) as diloco:
+        # torchft keeps a DiLoCo's fragments (one here) private; each runs its own sync.
+        phases = _Phases(manager, diloco._fragments)  # noqa: SLF001
         while not _done(args, manager):
             t0 = time.time()
             before = manager.current_step()
@@ -322,6 +375,7 @@ def _run_diloco(
                     t=time.time(),
                     dt=time.time() - t0,
                     sync_s=time.time() - t_step,
+                    phases=phases.take(),
                     step=manager.current_step(),
                     committed=manager.current_step() > before,
                     participants=manager.num_participants(),

@@ -494,6 +494,19 @@ def _p2p_ipc(data: dict[str, Any]) -> list[str]:
     return [table(headers, rows), note]
 
 
+DILOCO_HEADERS = [
+    "run", "MB/sync", "sync s", "comm s", "outer s", "wall s", "all groups", "eval loss",
+    "replicas equal",
+]  # fmt: skip
+
+
+#: Columns of the DiLoCo table of ``bench ft``.
+DILOCO_HEADERS = [
+    "run", "MB/sync", "sync s", "comm s", "outer s", "wall s", "all groups", "eval loss",
+    "replicas equal",
+]  # fmt: skip
+
+
 def _ft(data: dict[str, Any]) -> list[str]:
     config = data.get("config") or {}
     groups = config.get("groups", "-")
@@ -536,6 +549,8 @@ def _ft(data: dict[str, Any]) -> list[str]:
                 label,
                 fmt((m.get("bytes_per_sync") or 0) / 1e6 or None),
                 fmt(m.get("sync_s")),
+                fmt(m.get("comm_s")),
+                fmt(m.get("outer_s")),
                 fmt(m.get("sync_wall_s")),
                 f"{m['syncs_all_groups']}/{m['syncs']}" if "syncs" in m else "-",
                 fmt(m.get("final_loss")),
@@ -546,13 +561,11 @@ def _ft(data: dict[str, Any]) -> list[str]:
         out += [
             f"DiLoCo, an outer sync every {config.get('sync_every', '-')} steps, "
             f"{rate_label(config.get('diloco_rate', '-'))} {where}. Sync: per sync, the time "
-            "of the group that arrived last (quorum, all-reduce, commit); wall: replica 0's, "
-            "its wait for slower groups included; all groups: syncs whose quorum held every "
-            "group:",
-            table(
-                ["run", "MB/sync", "sync s", "wall s", "all groups", "eval loss", "replicas equal"],
-                rows,
-            ),
+            "of the group that arrived last; of it, comm: the quorum, the all-reduce and the "
+            "commit vote, outer: torchft's outer optimizer step, merge and parameter copies "
+            "(local compute, the same for every process group); wall: replica 0's, its wait "
+            "for slower groups included; all groups: syncs whose quorum held every group:",
+            table(DILOCO_HEADERS, rows),
         ]
     checks = data.get("targets") or []
     if checks:
