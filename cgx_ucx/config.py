@@ -42,6 +42,7 @@ from .errors import ConfigError
 __all__ = [
     "ENV_BITS",
     "ENV_BUCKET_SIZE",
+    "ENV_MAILBOX_KERNELS",
     "ENV_MINIMAL_SIZE",
     "ENV_SPIN",
     "ENV_STAGING",
@@ -56,6 +57,7 @@ __all__ = [
     "configuration_page",
     "describe_configuration",
     "log_configuration",
+    "mailbox_kernels_mode",
     "read_env",
     "resolve_comm",
     "resolve_compression",
@@ -75,6 +77,8 @@ ENV_NODE_ID = "CGX_UCX_NODE_ID"
 ENV_SECRET = "CGX_UCX_SECRET"
 #: Progress after a completion (transport/progress.py): "auto", "1" (always spin), "0".
 ENV_SPIN = "CGX_UCX_SPIN"
+#: The node-local mailboxes' loads and stores (transport/mailbox.py): "auto", "1", "0".
+ENV_MAILBOX_KERNELS = "CGX_UCX_MAILBOX_KERNELS"
 #: Staging memory a communicator keeps between collectives (collectives/staging.py).
 ENV_STAGING = "CGX_UCX_STAGING_MB"
 #: MiB of staging kept idle between collectives unless configured: a few pipeline pieces
@@ -180,6 +184,17 @@ ENV_VARIABLES: tuple[EnvVar, ...] = (
         "Whether the progress driver polls briefly after a completion instead of "
         "sleeping; auto polls only while the host has a spare core.",
         "cgx_ucx.transport.progress",
+    ),
+    EnvVar(
+        ENV_MAILBOX_KERNELS,
+        "auto, 1 or 0",
+        "auto",
+        "Whether the node-local mailboxes' loads and stores are compiled Numba functions "
+        "(fenced, and spinning without the GIL) or plain NumPy ones. auto: compiled only "
+        "where the CPU may reorder stores (not x86-64, which keeps them in order), so that "
+        "on x86-64 a job whose codec runs on the GPU, or that sends uncompressed, never "
+        "loads Numba (about 115 MiB a rank). 0 is refused on a CPU that reorders stores.",
+        "cgx_ucx.transport.mailbox",
     ),
     EnvVar(
         "CGX_INTRA_BROADCAST",
@@ -441,14 +456,24 @@ def resolve_compression(
     return _merge(CompressionConfig, base or CompressionConfig(), env_values, kwargs)
 
 
-def spin_mode(env: Mapping[str, str] | None = None) -> str:
-    """``CGX_UCX_SPIN``: "auto", "1" or "0" (ConfigError naming the variable otherwise)."""
-    value = read_env(ENV_SPIN, env)
+def _auto_flag(name: str, env: Mapping[str, str] | None) -> str:
+    """Variable ``name``: "auto", "1" or "0" (ConfigError naming the variable otherwise)."""
+    value = read_env(name, env)
     raw = ("auto" if value is None else value).strip().lower()
     mode = {"": "auto", "auto": "auto", "1": "1", "on": "1", "0": "0", "off": "0"}.get(raw)
     if mode is None:
-        raise ConfigError(f"{ENV_SPIN}={raw!r}: expected {_accepts(ENV_SPIN)}")
+        raise ConfigError(f"{name}={raw!r}: expected {_accepts(name)}")
     return mode
+
+
+def spin_mode(env: Mapping[str, str] | None = None) -> str:
+    """``CGX_UCX_SPIN``: "auto", "1" or "0" (ConfigError naming the variable otherwise)."""
+    return _auto_flag(ENV_SPIN, env)
+
+
+def mailbox_kernels_mode(env: Mapping[str, str] | None = None) -> str:
+    """``CGX_UCX_MAILBOX_KERNELS``: "auto", "1" or "0" (ConfigError otherwise)."""
+    return _auto_flag(ENV_MAILBOX_KERNELS, env)
 
 
 _COMPRESSION_ENV = (ENV_BITS, ENV_BUCKET_SIZE, ENV_MINIMAL_SIZE, ENV_STOCHASTIC)

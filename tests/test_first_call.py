@@ -54,3 +54,63 @@ def test_cold_cache_and_a_short_timeout_never_fail_the_first_call(tmp_path):
     # 3x target is the benchmark's; a test only rules out a compile inside the call).
     first = max(r[0][0][1] for r in results)
     assert first < 1.0, f"first compressed call took {first:.2f} s"
+
+
+# -- a job that needs no host kernel never loads Numba ------------------------------------
+
+_LEAN = """
+import json, os, sys, threading
+import numpy as np
+from cgx_ucx.compression import decode_add, encode, kernels
+from cgx_ucx.compression import reference
+
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) // 1024 for l in f if l.startswith("VmRSS"))
+
+kernels.compile_in_background()
+rng = np.random.default_rng(3)
+small = rng.standard_normal(1024).astype(np.float32)
+seg = encode(small, 4)
+acc = np.zeros(1024, np.float32)
+decode_add(seg, acc)
+ref_acc = np.zeros(1024, np.float32)
+reference.decode_add_into(seg, reference.codec.read_header(seg), ref_acc)
+out = {"small_numba": "numba" in sys.modules, "small_same": acc.tobytes() == ref_acc.tobytes()}
+counted = kernels._early_values
+with kernels.uncounted():  # connect's warm-up: never a reason to load the kernels
+    for _ in range(3):
+        encode(rng.standard_normal(kernels.COMPILE_AFTER_VALUES).astype(np.float32), 4)
+out["uncounted"] = kernels._early_values == counted and "numba" not in sys.modules
+before = rss()
+# A medium call starts the import on a thread of its own and runs the reference meanwhile.
+medium = rng.standard_normal(kernels.LOAD_CACHED_AFTER_VALUES).astype(np.float32)
+seg = encode(medium, 4)
+threads = [t for t in threading.enumerate() if t.name == "cgx-codec-import"]
+out["import_thread"] = len(threads)
+for t in threads:
+    t.join(120)
+out["numba_after"] = "numba" in sys.modules
+out["due"] = kernels.host_kernels_due(1)
+out["grew_mib"] = rss() - before
+out["same_bytes"] = encode(medium, 4).tobytes() == seg.tobytes()
+print(json.dumps(out))
+"""
+
+
+def test_small_host_calls_run_without_numba_and_a_larger_one_imports_it_aside(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CGX_UCX_KERNEL_CACHE": str(tmp_path / "kernels")}
+    out = subprocess.run(
+        [sys.executable, "-c", _LEAN], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.splitlines()[-1])
+    assert r["small_numba"] is False and r["small_same"] is True and r["uncounted"] is True
+    assert r["import_thread"] == 1 and r["numba_after"] is True and r["due"] is True
+    assert r["grew_mib"] > 20  # what the lean process did without (Numba: about 55 MiB)
+    assert r["same_bytes"] is True  # kernels and reference write the same bytes

@@ -576,7 +576,7 @@ def test_emulated_piece_codec_takes_one_launch_per_piece(
     emu: EmulatedRunner, monkeypatch: pytest.MonkeyPatch, dtype: np.dtype, stochastic: bool
 ) -> None:
     # the per-segment path through the NumPy reference...
-    monkeypatch.setattr(codec, "_backend_for", lambda a: codec._backend("numpy"))
+    monkeypatch.setattr(codec, "_backend_for", lambda a, numel=None: codec._backend("numpy"))
     monkeypatch.setattr(piece_codec, "_gpu_batch", lambda a, piece: None)
     want = run_piece_ops(np, dtype, stochastic)
     # ... and the batched kernels (what CuPy arrays take), on the emulator

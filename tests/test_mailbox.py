@@ -70,9 +70,14 @@ async def results_job(ctx):
         return out, comm.stats.messages_sent, b, g, empty.shape, comm.stats.bytes_sent
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_mailbox_results_equal_the_message_path(world):
-    boxed = run_ranks(results_job, world, timeout=120)
+@pytest.mark.parametrize(
+    ("world", "kernels"),
+    [(2, "auto"), (3, "auto"), (2, "1")],
+    ids=["2-default", "3-default", "2-compiled"],
+)
+def test_mailbox_results_equal_the_message_path(world, kernels):
+    # default: plain NumPy loads and stores on x86-64; "1": the fenced Numba ones.
+    boxed = run_ranks(results_job, world, timeout=120, env={"CGX_UCX_MAILBOX_KERNELS": kernels})
     sent = run_ranks(results_job, world, timeout=120, env=MESSAGES_ONLY)
     assert all(r[0][0] for r in boxed), "a one-host group has mailboxes"
     for r in boxed:  # broadcast and allgather, exact
@@ -457,3 +462,67 @@ def test_ranks_disagreeing_on_intra_shm_fail_connect_typed():
     env = lambda rank: MESSAGES_ONLY if rank == 0 else {}  # noqa: E731
     for kind, text in run_ranks(shm_disagreement_job, 2, timeout=90, env=env):
         assert kind == "ConfigError" and "CGX_UCX_INTRA_SHM" in text, text
+
+
+# -- which loads and stores ------------------------------------------------------------------
+
+
+def test_mailbox_kernels_are_chosen_by_the_cpu_and_the_variable(monkeypatch):
+    from cgx_ucx.errors import ConfigError
+    from cgx_ucx.transport import mailbox
+
+    monkeypatch.setattr(mailbox, "_store", mailbox._store)  # restored after the test
+    monkeypatch.setattr(mailbox, "_load", mailbox._load)
+    monkeypatch.setattr(mailbox, "_spin", mailbox._spin)
+    monkeypatch.setattr(mailbox, "ORDERED_CPU", True)
+    for value in ("auto", "0", "off"):
+        monkeypatch.setenv("CGX_UCX_MAILBOX_KERNELS", value)
+        assert mailbox.compile_kernels() is False
+    monkeypatch.setenv("CGX_UCX_MAILBOX_KERNELS", "sometimes")
+    with pytest.raises(ConfigError, match="CGX_UCX_MAILBOX_KERNELS"):
+        mailbox.compile_kernels()
+    monkeypatch.setattr(mailbox, "ORDERED_CPU", False)  # as on ARM or POWER
+    monkeypatch.setenv("CGX_UCX_MAILBOX_KERNELS", "0")
+    with pytest.raises(ConfigError, match="may reorder stores"):
+        mailbox.compile_kernels()
+    monkeypatch.delenv("CGX_UCX_MAILBOX_KERNELS")
+    assert mailbox.compile_kernels() is True
+    assert mailbox._spin.__module__.endswith("_mailbox_kernels")
+
+
+def test_numpy_loads_and_stores_see_a_post():
+    from cgx_ucx.transport import mailbox
+
+    if mailbox._spin.__module__ != mailbox.__name__:
+        pytest.skip("the compiled loads and stores are in use in this process")
+    words = np.zeros(4, np.uint64)
+    assert not mailbox._spin(words, 2, 1, 256)
+    mailbox._store(words, 2, 1)
+    assert mailbox._spin(words, 2, 1, 256) and mailbox._spin(words, 2, 1, 1)
+    assert mailbox._load(words, 2) == 1 and not mailbox._spin(words, 2, 2, 256)
+
+
+def lean_job(ctx):
+    import sys
+
+    async def main():
+        async with await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG) as comm:
+            x = values(ctx.rank, 1024, np.float32)
+            await comm.allreduce(x, "sum", bits=4)
+            await comm.allreduce(values(ctx.rank, 4096, np.float32), "sum")
+            return comm.mailbox is not None, "numba" in sys.modules, x
+
+    return asyncio.run(main())
+
+
+def test_a_small_job_on_one_host_never_loads_numba():
+    """Connect's warm-up and small calls run the codec's NumPy reference and the
+    mailboxes' NumPy loads and stores (x86-64): no rank imports Numba (about 115 MiB a
+    rank with its kernels), and the results are bit-identical."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the mailboxes compile their fenced loads and stores on this CPU")
+    out = run_ranks(lean_job, 2, timeout=60)
+    assert [r[:2] for r in out] == [(True, False), (True, False)]
+    assert out[0][2].tobytes() == out[1][2].tobytes()

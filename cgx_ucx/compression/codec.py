@@ -52,6 +52,7 @@ imported when a CuPy array is given); bfloat16 means ``ml_dtypes.bfloat16``.
 from __future__ import annotations
 
 import importlib
+import math
 import struct
 from dataclasses import dataclass
 from types import ModuleType
@@ -73,6 +74,7 @@ from ..arrays import (
     xp_of,
 )
 from ..errors import CodecError
+from .kernels import host_kernels_due
 
 __all__ = [
     "HEADER_NBYTES",
@@ -81,11 +83,13 @@ __all__ = [
     "VERSION",
     "CodecHeader",
     "backend_name",
+    "chunking",
     "decode",
     "decode_add",
     "encode",
     "encode_decode",
     "encoded_nbytes",
+    "host_kernels",
     "read_header",
     "reduce_encode",
 ]
@@ -439,8 +443,34 @@ def _check_acc(acc: Any, numel: int, buf: Any) -> None:
         raise CodecError(f"acc must be float32, got {acc.dtype}")
 
 
-def _backend_for(a: Any) -> ModuleType:
-    return _backend("cupy" if is_cupy(a) else "numba")
+def _backend_for(a: Any, numel: int | None = None) -> ModuleType:
+    """The backend of a call on ``a``: CuPy's, or on the host the Numba kernels once
+    :func:`~.kernels.host_kernels_due` says so (``numel`` values; None: read from the
+    segment ``a``), the NumPy reference before."""
+    if is_cupy(a):
+        return _backend("cupy")
+    host = _BACKENDS.get("numba")
+    if host is not None:
+        return host
+    if numel is None:
+        numel = read_header(a).numel
+    return _backend("numba" if host_kernels_due(numel) else "numpy")
+
+
+def host_kernels(numel: int) -> ModuleType | None:
+    """The Numba kernels' module (:mod:`.cpu`) if a host call of ``numel`` values should
+    use it (:func:`~.kernels.host_kernels_due`), else None: the NumPy reference's turn."""
+    host = _BACKENDS.get("numba")
+    if host is not None:
+        return host
+    return _backend("numba") if host_kernels_due(numel) else None
+
+
+def chunking(hdr: CodecHeader) -> tuple[int, int]:
+    """(buckets per chunk, number of chunks) of a compressed segment's parallel kernels:
+    chunks start on whole code bytes."""
+    k = 8 // math.gcd(hdr.bucket_size, 8)
+    return k, -(-hdr.nbuckets // k)
 
 
 def encode(
@@ -461,7 +491,13 @@ def encode(
     ``seed`` (0 <= seed < 2**64); use a different seed for every segment and step.
     """
     return encode_with(
-        _backend_for(x), x, bits, bucket_size, out=out, stochastic=stochastic, seed=seed
+        _backend_for(x, getattr(x, "size", 0)),
+        x,
+        bits,
+        bucket_size,
+        out=out,
+        stochastic=stochastic,
+        seed=seed,
     )
 
 
@@ -481,7 +517,7 @@ def encode_decode(
     be ``x`` itself: an owner requantizing its reduced values in place. Returns the
     segment, as :func:`encode` does."""
     return encode_decode_with(
-        _backend_for(x),
+        _backend_for(x, getattr(x, "size", 0)),
         x,
         bits,
         bucket_size,
@@ -511,7 +547,7 @@ def reduce_encode(
     them in one pass where ``buf`` has the same width and bucket size as the output.
     ``decoded`` may be ``acc`` itself. Returns the segment."""
     return reduce_encode_with(
-        _backend_for(acc),
+        _backend_for(acc, getattr(acc, "size", 0)),
         buf,
         acc,
         bits,

@@ -22,7 +22,6 @@ compile on a background thread, and calls run the NumPy reference (the same byte
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +31,7 @@ from numba.extending import overload
 
 from ..arrays import BFLOAT16
 from . import reference
-from .codec import HEADER_NBYTES, CodecHeader
+from .codec import HEADER_NBYTES, CodecHeader, chunking
 from .cpu_threads import (
     BATCH_VALUES,
     PARALLEL_MIN_NUMEL,
@@ -447,12 +446,6 @@ def _kernel_view(a: np.ndarray) -> np.ndarray | None:
     if dt == BFLOAT16:
         return a.view(np.int16)
     return None
-
-
-def chunking(hdr: CodecHeader) -> tuple[int, int]:
-    """(buckets per chunk, number of chunks): chunks start on whole code bytes."""
-    k = 8 // math.gcd(hdr.bucket_size, 8)
-    return k, -(-hdr.nbuckets // k)
 
 
 def _meta_view(buf: np.ndarray, hdr: CodecHeader) -> tuple[np.ndarray, bool]:

@@ -9,7 +9,8 @@ layout: the headers, offsets, chunking and scratch sizes are computed when it is
 call checks what can differ between calls (the buffers' sizes, the meta's alignment: an
 unaligned float32 view is another Numba type, see ``cpu._meta_view``; and, on decode,
 every header byte) and calls the kernels of :mod:`.cpu` directly (or, while a kernel is
-not compiled yet, the NumPy reference, whose bytes are the same).
+not compiled yet or nothing has needed the kernels yet (:func:`~.codec.host_kernels`),
+the NumPy reference, whose bytes are the same).
 
 The bytes written and the values accumulated are exactly those of
 :func:`~.codec.encode` and :func:`~.codec.decode_add` segment by segment (the same
@@ -28,8 +29,8 @@ import numpy as np
 
 from ..arrays import as_uint8_buffer
 from ..errors import CodecError
-from . import codec, cpu, reference
-from .codec import HEADER_NBYTES, RAW_BITS, CodecHeader
+from . import codec, reference
+from .codec import HEADER_NBYTES, RAW_BITS, CodecHeader, chunking, host_kernels
 
 __all__ = ["HostRun", "RunSegment"]
 
@@ -75,7 +76,7 @@ class HostRun:
             st = self.stochastic and s.bits != RAW_BITS
             hdr = CodecHeader(s.bits, s.bucket_size, s.numel, self.dtype, st)
             header = hdr.pack()
-            k, nchunks = (1, 0) if hdr.raw else cpu.chunking(hdr)
+            k, nchunks = (1, 0) if hdr.raw else chunking(hdr)
             progs.append(
                 _Prog(
                     start=s.start,
@@ -121,7 +122,10 @@ class HostRun:
                 )  # fmt: skip
                 continue
             seg[:HEADER_NBYTES] = p.header_u8
-            if p.hdr.numel and not cpu.encode_chunks_direct(
+            if not p.hdr.numel:
+                continue
+            cpu = host_kernels(p.hdr.numel)
+            if cpu is None or not cpu.encode_chunks_direct(
                 part, p.hdr, seed, meta, out[p.codes : p.end], p.k, p.nchunks, p.nsc
             ):
                 reference.encode_into(part, p.hdr, seed, seg)  # the kernel is not compiled yet
@@ -143,7 +147,11 @@ class HostRun:
             meta = None if p.hdr.raw else buf[p.offset + HEADER_NBYTES : p.codes].view(np.float32)
             if meta is None or not meta.flags.aligned or seg[:HEADER_NBYTES].tobytes() != p.header:
                 codec.decode_add(seg, a)
-            elif p.hdr.numel and not cpu.decode_add_direct(
+                continue
+            if not p.hdr.numel:
+                continue
+            cpu = host_kernels(p.hdr.numel)
+            if cpu is None or not cpu.decode_add_direct(
                 buf[p.codes : p.end], meta, p.hdr, a, p.k, p.nchunks, p.nsc
             ):
                 reference.decode_add_into(seg, p.hdr, a)  # the kernel is not compiled yet

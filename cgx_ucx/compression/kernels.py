@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import contextvars
 import hashlib
+import importlib
 import inspect
 import logging
 import os
@@ -52,8 +54,10 @@ __all__ = [
     "cache_dir",
     "compile_in_background",
     "compiling_here",
+    "host_kernels_due",
     "settle",
     "source_digest",
+    "uncounted",
     "user_cache_root",
     "wait_compiled",
 ]
@@ -221,6 +225,93 @@ class _Compiler:
 _compiler = _Compiler()
 _here = threading.local()
 _background = False
+_early_lock = threading.Lock()
+
+
+#: Values of the host codec calls that ran on the NumPy reference before anything needed
+#: the Numba kernels (:func:`host_kernels_due`).
+_early_values = 0
+_host_due = False
+_host_import: threading.Thread | None = None
+_HOST_MODULE = f"{__package__}.cpu"
+
+
+def host_kernels_due(numel: int) -> bool:
+    """Whether a host codec call of ``numel`` values goes through the Numba kernels'
+    module (:mod:`.cpu`, which imports Numba) rather than the NumPy reference (the same
+    bytes). Once True, always True.
+
+    Without :func:`compile_in_background`, or inside :func:`compiling_here`, the module is
+    imported on the calling thread at the first call. Otherwise calls run the reference
+    and Numba is not imported, so that a job whose only host codec calls are connect's few
+    small ones (a GPU job, an uncompressed one, one that makes hundreds of groups) never
+    loads it (about 55 MiB a process), until a call of at least
+    :data:`LOAD_CACHED_AFTER_VALUES` values, or calls adding up to
+    :data:`COMPILE_AFTER_VALUES` values (a thousand calls of 4 KiB), start importing it
+    on a background thread (half a second: not inside a collective's deadline). Calls
+    run the reference until it is imported, except a call of at least
+    :data:`COMPILE_AFTER_VALUES` values, which waits for it (the reference would take as
+    long). From there each kernel counts its own signatures' calls (:meth:`Kernel.ready`).
+    """
+    global _early_values, _host_due
+    if _host_due:
+        return True
+    if _HOST_MODULE in sys.modules and _host_import is None:
+        _host_due = True  # imported by its user (a benchmark, a test): nothing to save
+        return True
+    if not _background or getattr(_here, "on", False):
+        _import_host()
+        return _host_due
+    if _uncounted.get():
+        return False
+    with _early_lock:
+        _early_values += max(int(numel), 0)
+        due = numel >= LOAD_CACHED_AFTER_VALUES or _early_values >= COMPILE_AFTER_VALUES
+        thread = _host_import
+        if due and thread is None:
+            thread = _start_host_import()
+    if thread is not None and numel >= COMPILE_AFTER_VALUES:
+        thread.join()
+    return _host_due
+
+
+_uncounted: contextvars.ContextVar[bool] = contextvars.ContextVar("cgx_uncounted", default=False)
+
+
+@contextlib.contextmanager
+def uncounted() -> Iterator[None]:
+    """Host codec calls made inside this block (on this thread, or in this asyncio task)
+    do not count toward :func:`host_kernels_due`: connect's own warm-up, which a job that
+    makes a group per phase, or torchft at every quorum, repeats hundreds of times."""
+    token = _uncounted.set(True)
+    try:
+        yield
+    finally:
+        _uncounted.reset(token)
+
+
+def _start_host_import() -> threading.Thread:
+    """Import the kernels' module on a daemon thread (called under ``_early_lock``)."""
+    global _host_import
+    thread = threading.Thread(target=_import_host, name="cgx-codec-import", daemon=True)
+    _host_import = thread
+    thread.start()
+    return thread
+
+
+def _import_host() -> None:
+    global _host_due
+    t0 = time.perf_counter()
+    try:
+        importlib.import_module(_HOST_MODULE)
+    except ImportError as exc:  # pragma: no cover - numba is a dependency
+        log.warning("the host codec runs on NumPy only: its Numba kernels failed: %s", exc)
+        return
+    if not _host_due:
+        _host_due = True
+        log.info(
+            "loaded the host codec's Numba kernels' module in %.2f s", time.perf_counter() - t0
+        )
 
 
 def compile_in_background(on: bool = True) -> None:

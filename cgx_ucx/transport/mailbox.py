@@ -30,19 +30,29 @@ to the next, so it rewrites a slot two posts later, after its next collective th
 mailboxes finished, which needed every peer's post of it, which each peer makes only after
 reading this rank's previous one: two slots need no other acknowledgement.
 
-The waits spin in compiled code without the GIL for a bounded window, then sleep; both
-drivers (a caller's thread, the engine loop) live in :mod:`cgx_ucx.collectives.local`.
+The loads and stores are plain NumPy ones on x86-64: its CPUs make one core's stores
+visible to the others in the order they were made and do not reorder loads, and each is a
+separate call that no C compiler moves across another, so the order above holds. Elsewhere
+(ARM, POWER) they are compiled Numba functions with a fence around each
+(:mod:`._mailbox_kernels`); ``CGX_UCX_MAILBOX_KERNELS`` chooses (:func:`compile_kernels`).
+The waits spin for a bounded window (at most a millisecond; the compiled spin releases
+the GIL, the NumPy one holds it: a yield between its loads would hand the core to any
+other runnable thread for a whole time slice, which made a 2-rank barrier 4x slower), then
+yield and sleep; both drivers (a caller's thread, the engine loop) live in
+:mod:`cgx_ucx.collectives.local`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import mmap
+import platform
 from typing import Any
 
 import numpy as np
 
-from ..errors import ProtocolError, TransportError
+from ..config import ENV_MAILBOX_KERNELS, mailbox_kernels_mode
+from ..errors import ConfigError, ProtocolError, TransportError
 from .shm import Descriptor, Segment, map_peer
 
 __all__ = [
@@ -87,7 +97,12 @@ class State:
     CLOSED = 3  # the communicator closed
 
 
-# -- ordered loads and stores: plain NumPy until compile_kernels() swaps in the compiled
+#: Whether this CPU keeps one core's stores in order for the others and its loads in order
+#: (x86's total store order), so that plain NumPy loads and stores publish a post safely.
+ORDERED_CPU = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
+
+
+# -- ordered loads and stores: plain NumPy unless compile_kernels() swaps in the compiled
 # ones (importing this module must not import Numba: the reference codec runs without it).
 
 
@@ -105,13 +120,29 @@ def _spin(words: Any, i: int, target: int, spins: int) -> bool:
 
 def compile_kernels() -> bool:
     """Use the compiled (fenced, GIL-free) loads and stores from here on, compiling them
-    or loading them from Numba's cache; False where Numba is missing (then the NumPy
-    ones stay: ordered on x86, where separate NumPy calls' stores are not reordered)."""
+    or loading them from Numba's cache, where they are needed: a CPU that may reorder
+    stores, or ``CGX_UCX_MAILBOX_KERNELS=1``. False when the NumPy ones stay (x86-64 by
+    default, or Numba missing there). ConfigError for ``CGX_UCX_MAILBOX_KERNELS=0`` on a
+    CPU that may reorder stores: the mailboxes would not be safe there."""
     global _store, _load, _spin
+    mode = mailbox_kernels_mode()
+    if mode == "0" and not ORDERED_CPU:
+        raise ConfigError(
+            f"{ENV_MAILBOX_KERNELS}=0: this CPU ({platform.machine()}) may reorder stores, "
+            "so the node-local mailboxes need their fenced, compiled loads and stores "
+            f"(unset {ENV_MAILBOX_KERNELS}, or CGX_UCX_INTRA_SHM=0 to go without mailboxes)"
+        )
+    if mode == "0" or (mode == "auto" and ORDERED_CPU):
+        return False
     try:
         from . import _mailbox_kernels as k
-    except ImportError:  # pragma: no cover - numba is a dependency
-        return False
+    except ImportError:
+        if ORDERED_CPU:
+            return False
+        raise ConfigError(
+            f"the node-local mailboxes need Numba on this CPU ({platform.machine()}, which "
+            "may reorder stores): install numba, or set CGX_UCX_INTRA_SHM=0"
+        ) from None
     w = np.zeros(2, np.uint64)
     k.store(w, 0, 1)
     k.load(w, 0)
