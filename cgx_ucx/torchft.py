@@ -43,6 +43,8 @@ Semantics:
 
 5. :class:`DistributedDataParallel` is torchft's, with a comm hook that also works once
    the Manager has recorded an error (torchft 0.2.0's fails inside backward then).
+6. :class:`PseudoGradientFeedback` adds error feedback to a DiLoCo's compressed
+   pseudo-gradients: each parameter's quantization error is carried into its next sync.
 
 Requires the ``ft`` extra (torchft).
 """
@@ -60,7 +62,7 @@ import torch
 from torchft.ddp import DistributedDataParallel as _FtDDP
 from torchft.process_group import ProcessGroupWrapper
 
-from .config import CommConfig, CompressionConfig, resolve_comm
+from .config import CommConfig, CompressionConfig, compression_from_env, resolve_comm
 from .errors import CGXError, ConfigError, TransportError
 from .torch import CGXOptions
 from .torch import ProcessGroupCGX as _CGXGroup
@@ -71,6 +73,7 @@ __all__ = [
     "DistributedDataParallel",
     "ProcessGroupAbortedError",
     "ProcessGroupCGX",
+    "PseudoGradientFeedback",
 ]
 
 log = logging.getLogger("cgx_ucx")
@@ -183,6 +186,15 @@ class ProcessGroupCGX(ProcessGroupWrapper):
             yield
         finally:
             self._local.override = outer
+
+    def effective_compression(self) -> CompressionConfig | None:
+        """The compression an all_reduce made now on this thread uses: a
+        :meth:`compressed` block's, else the one set in code, else the CGX_COMPRESSION_*
+        variables'; None when it sends values as they are."""
+        config = getattr(self._local, "override", None)
+        if config is None:
+            config = self._compression if self._compression is not None else compression_from_env()
+        return config if config.enabled else None
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         override = getattr(self._local, "override", None)
@@ -360,3 +372,104 @@ class DistributedDataParallel(_FtDDP):
         fut = work.get_future()
         inner = getattr(fut, "_fut", None)  # a managed future: hand out the real one
         return inner if inner is not None else fut
+
+
+class PseudoGradientFeedback:
+    """Error feedback on the pseudo-gradients of a torchft ``DiLoCo`` (or Streaming
+    DiLoCo) whose outer syncs go through a :class:`ProcessGroupCGX`::
+
+        with DiLoCo(manager, [model], inner, outer, sync_every=100) as diloco:
+            feedback = PseudoGradientFeedback(diloco, pg)
+            for batch in data:
+                ...
+                with pg.compressed(bits=2):
+                    inner.step()          # every 100th step syncs, with error feedback
+
+    At each sync, before the all-reduce, every parameter's pseudo-gradient gets the
+    residual its previous sync left (``c = g + residual``), and the new residual is
+    ``c - decode(encode(c))`` with the bits and bucket size that sync uses (the same
+    rounding the all-reduce applies to this replica's contribution), so the quantization
+    error of one sync is sent in the next instead of being lost (EF-SGD, Karimireddy et
+    al. 2019). A sync that is not committed (``should_commit`` False, or an error) puts
+    the previous residuals back; a replica group that does not take part in a sync
+    (healing) keeps its residuals. A sync sent exactly (compression off) sends the
+    residual once and clears it. Residuals live with this object: a restarted replica
+    group starts without them.
+
+    Needs per-parameter all-reduces (``use_bucketization`` off: a bucket's quantization
+    blocks would not be the parameters'); ConfigError otherwise, or when the DiLoCo's
+    torchft version keeps its pseudo-gradients elsewhere.
+    """
+
+    def __init__(self, diloco: Any, pg: ProcessGroupCGX) -> None:
+        from .torch._feedback import LayerFeedback
+
+        if not isinstance(pg, ProcessGroupCGX):
+            raise ConfigError(f"pg must be a cgx_ucx.torchft.ProcessGroupCGX, got {pg!r}")
+        fragments = getattr(diloco, "_fragments", None)
+        if not fragments or not all(_feedback_ready(f) for f in fragments):
+            raise ConfigError(
+                "PseudoGradientFeedback needs a torchft DiLoCo whose fragments save their "
+                "pseudo-gradients in _grads (_save_grads) and sync through perform_sync "
+                f"(torchft 0.2); got {type(diloco).__name__}"
+            )
+        if any(getattr(f, "use_bucketization", False) for f in fragments):
+            raise ConfigError(
+                "error feedback on pseudo-gradients needs per-parameter all-reduces: "
+                "create the DiLoCo with use_bucketization=False"
+            )
+        self._pg = pg
+        self._feedback = LayerFeedback(undoable=True)
+        self._index: dict[tuple[int, str], int] = {}
+        #: Syncs whose pseudo-gradients got error feedback, and those rolled back.
+        self.applied = 0
+        self.rolled_back = 0
+        for i, fragment in enumerate(fragments):
+            self._wrap(i, fragment)
+
+    def _wrap(self, number: int, fragment: Any) -> None:
+        save_grads, perform_sync = fragment._save_grads, fragment.perform_sync  # noqa: SLF001
+
+        def save_grads_with_feedback() -> None:
+            save_grads()
+            if fragment._manager.is_participating():  # noqa: SLF001
+                self._apply(number, fragment._grads)  # noqa: SLF001
+
+        def perform_sync_then_keep() -> bool:
+            try:
+                committed = perform_sync()
+            except BaseException:
+                self._feedback.rollback()
+                self.rolled_back += 1
+                raise
+            if committed:
+                self._feedback.commit()
+            else:
+                self._feedback.rollback()
+                self.rolled_back += 1
+            return committed
+
+        fragment._save_grads = save_grads_with_feedback  # noqa: SLF001
+        fragment.perform_sync = perform_sync_then_keep
+
+    def _apply(self, number: int, grads: dict[str, torch.Tensor]) -> None:
+        from .layout import Layout
+        from .torch._convert import FLOAT_DTYPES
+
+        config = self._pg.effective_compression()
+        for name, g in grads.items():
+            if not g.is_contiguous():  # not one of DiLoCo's: it makes each one afresh
+                continue
+            index = self._index.setdefault((number, name), len(self._index))
+            compressed = config is not None and g.dtype in FLOAT_DTYPES
+            layout = (
+                Layout.from_sizes([g.numel()], config) if compressed else Layout.uniform(g.numel())
+            )
+            self._feedback.apply(index, g.view(-1), layout)
+        self.applied += 1
+
+
+def _feedback_ready(fragment: Any) -> bool:
+    return all(
+        hasattr(fragment, name) for name in ("_save_grads", "_grads", "perform_sync", "_manager")
+    )

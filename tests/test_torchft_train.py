@@ -72,11 +72,13 @@ def test_kill_and_rejoin_ends_bit_identical(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bits", [4, 2])
-def test_diloco_pseudo_gradients_compressed(tmp_path: Path, bits: int) -> None:
-    """DiLoCo with 4- and 2-bit pseudo-gradients: every outer sync commits on both
-    groups, parameters bit-identical at the end, bytes per sync below fp32's / 4."""
+@pytest.mark.parametrize(("bits", "feedback"), [(4, False), (2, False), (2, True)])
+def test_diloco_pseudo_gradients_compressed(tmp_path: Path, bits: int, feedback: bool) -> None:
+    """DiLoCo with 4- and 2-bit pseudo-gradients (2 bits with error feedback too): every
+    outer sync commits on both groups, parameters bit-identical at the end, bytes per
+    sync below fp32's / 4."""
     args = [*TINY, "--backend", "cgx", "--bits", str(bits), "--mode", "diloco"]
+    args += ["--error-feedback"] if feedback else []
     args += ["--steps", "4", "--sync-every", "5", "--end-with", "2"]
     lighthouse, job = _job(tmp_path, args)
 

@@ -19,10 +19,10 @@ namespace of its own). The model is the 22 M-parameter MLP of ``bench train``
    many finished with every group at one step and bit-identical, and the spread of the
    stall, the steps lost and the rejoin time.
 2. DiLoCo (torchft.local_sgd) across ``--diloco-rate`` links: fp32 pseudo-gradients over
-   gloo, 4-bit and 2-bit over cgx. Reported: bytes per outer sync, the sync time (per
-   sync, as the last group to arrive saw it: quorum, all-reduce and commit, not the wait
-   for slower groups, which replica 0's median "wall" time includes), how many syncs
-   held every group, final loss.
+   gloo, 4-bit and 2-bit over cgx, and 2-bit with error feedback. Reported: bytes per
+   outer sync, the sync time (per sync, as the last group to arrive saw it, and of it the
+   communication and torchft's outer step; not the wait for slower groups, which replica
+   0's median "wall" time includes), how many syncs held every group, final loss.
 
 Prints two tables and the targets, writes ``ft.json`` and ``ft.png``. Without root (or
 with ``--no-netns``) the groups run unshaped on loopback: a dry run of the procedure, not
@@ -60,16 +60,18 @@ from .report import (
 
 __all__ = ["main"]
 
-#: (label, backend, bits) of the per-step runs and of the DiLoCo runs.
+#: (label, backend, bits) of the per-step runs; the DiLoCo runs add whether their
+#: pseudo-gradients get error feedback (cgx_ucx.torchft.PseudoGradientFeedback).
 DDP_RUNS = (
     ("torchft+gloo", "gloo", 32),
     ("torchft+cgx 32-bit", "cgx", 32),
     ("torchft+cgx 4-bit", "cgx", 4),
 )
 DILOCO_RUNS = (
-    ("DiLoCo fp32 (gloo)", "gloo", 32),
-    ("DiLoCo cgx 4-bit", "cgx", 4),
-    ("DiLoCo cgx 2-bit", "cgx", 2),
+    ("DiLoCo fp32 (gloo)", "gloo", 32, False),
+    ("DiLoCo cgx 4-bit", "cgx", 4, False),
+    ("DiLoCo cgx 2-bit", "cgx", 2, False),
+    ("DiLoCo cgx 2-bit + EF", "cgx", 2, True),
 )
 #: The Lighthouse's port inside its namespace.
 LIGHTHOUSE_PORT = 29400
@@ -201,9 +203,11 @@ class _Place:
 
 
 # -- one run ----------------------------------------------------------------------------------
-def _worker_args(args: argparse.Namespace, backend: str, bits: int, mode: str) -> list[str]:
+def _worker_args(
+    args: argparse.Namespace, backend: str, bits: int, mode: str, error_feedback: bool = False
+) -> list[str]:
     steps = args.steps if mode == "ddp" else args.diloco_steps
-    return [
+    return (["--error-feedback"] if error_feedback else []) + [
         "--backend", backend, "--bits", str(bits), "--mode", mode,
         "--steps", str(steps), "--sync-every", str(args.sync_every),
         "--hidden", str(args.hidden), "--batch", str(args.batch),
@@ -574,16 +578,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.only in (None, "diloco"):
         place = _Place(args.groups, args.diloco_rate, netns, logs, DILOCO_JOIN_TIMEOUT_MS)
         with place.up():
-            for label, backend, bits in DILOCO_RUNS:
+            for label, backend, bits, feedback in DILOCO_RUNS:
                 print(f"ft: {label} ...", flush=True)
                 run = _run(
                     place,
-                    work / label.replace(" ", "_"),
-                    _worker_args(args, backend, bits, "diloco"),
+                    work / label.replace(" + ", "_").replace(" ", "_"),
+                    _worker_args(args, backend, bits, "diloco", feedback),
                     None,
                 )
                 metrics = _diloco_metrics(run, args.groups)
-                diloco[label] = {"backend": backend, "bits": bits, **metrics}
+                diloco[label] = {
+                    "backend": backend,
+                    "bits": bits,
+                    "error_feedback": feedback,
+                    **metrics,
+                }
     _print_tables(args, netns, ddp, diloco, trials)
     checks = targets(ddp, diloco, trials)
     print("\nAgainst the targets:" + ("" if netns else " (loopback: not a measurement of links)"))

@@ -9,7 +9,8 @@ It trains an MLP 64-H-H-H/2-10 (``--hidden``; 3840 gives the 22 M-parameter mode
 labels from a fixed random teacher network, so every replica and every run sees the same
 data for a given (step, replica). ``--mode ddp``: torchft's DistributedDataParallel and
 OptimizerWrapper, fault tolerant at every step; ``--mode diloco``: torchft's DiLoCo, an
-outer synchronisation of pseudo-gradients every ``--sync-every`` inner steps.
+outer synchronisation of pseudo-gradients every ``--sync-every`` inner steps (with
+``--error-feedback``, :class:`cgx_ucx.torchft.PseudoGradientFeedback` on them).
 
 It appends one JSON line per step to ``OUT/replica<id>.jsonl`` (time, manager step,
 committed, bytes the cgx group sent, outer-sync time) and, at the end, a line with
@@ -46,6 +47,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=("ddp", "diloco"), default="ddp")
     p.add_argument("--steps", type=int, default=50, help="manager steps (outer syncs)")
     p.add_argument("--sync-every", type=int, default=20, help="DiLoCo inner steps per sync")
+    p.add_argument(
+        "--error-feedback",
+        action="store_true",
+        help="DiLoCo (cgx): error feedback on the pseudo-gradients",
+    )
     p.add_argument("--hidden", type=int, default=3840)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=0.05)
@@ -356,6 +362,10 @@ def _run_diloco(
 
     local = 0
     with DiLoCo(manager, [model], inner, outer, sync_every=args.sync_every) as diloco:
+        if args.error_feedback:
+            from ..torchft import PseudoGradientFeedback
+
+            PseudoGradientFeedback(diloco, pg)
         # torchft keeps a DiLoCo's fragments (one here) private; each runs its own sync.
         phases = _Phases(manager, diloco._fragments)  # noqa: SLF001
         while not _done(args, manager):
