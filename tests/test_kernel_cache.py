@@ -175,3 +175,38 @@ print(json.dumps({"before": before, "done": done,
 def test_many_small_calls_get_their_kernel_compiled(tmp_path: Path) -> None:
     result, _ = _run(tmp_path / "kernels", _MANY_SMALL_CALLS)
     assert result == {"before": 0, "done": True, "after": 1}
+
+
+def test_source_digest_is_made_once_per_module_one_thread_at_a_time(monkeypatch) -> None:
+    """Codec threads ask for a module's digest at once when their kernels first load;
+    CPython 3.11's ast.parse fails on two threads at a time ("SystemError: AST
+    constructor recursion depth mismatch"), so the digest is made once, under a lock."""
+    import threading
+    import time
+    import types
+
+    from cgx_ucx.compression import kernels
+
+    running, overlaps, made = [0], [0], []
+
+    def slow_digest(module: types.ModuleType) -> str:
+        running[0] += 1
+        overlaps[0] = max(overlaps[0], running[0])
+        time.sleep(0.05)
+        made.append(module.__name__)
+        running[0] -= 1
+        return "d-" + module.__name__
+
+    monkeypatch.setattr(kernels, "_source_digest", slow_digest)
+    monkeypatch.setattr(kernels, "_digests", {})
+    mods = [types.ModuleType("m1"), types.ModuleType("m2")]
+    got: list[str] = []
+    threads = [
+        threading.Thread(target=lambda m=m: got.append(kernels.source_digest(m))) for m in mods * 4
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(made) == ["m1", "m2"] and overlaps[0] == 1
+    assert sorted(got) == ["d-m1"] * 4 + ["d-m2"] * 4

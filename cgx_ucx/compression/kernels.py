@@ -109,9 +109,26 @@ def user_cache_root(env: Mapping[str, str]) -> Path:
     return Path(base) / "cgx_ucx"
 
 
+#: Digests by module name, made once: every kernel of a module asks, often at once from
+#: several codec threads, and CPython 3.11's ``ast.parse`` is not safe to run on two
+#: threads at a time (it fails with "SystemError: AST constructor recursion depth
+#: mismatch").
+_digests: dict[str, str] = {}
+_digest_lock = threading.Lock()
+
+
 def source_digest(module: ModuleType) -> str:
     """A digest of ``module``'s code without its docstrings and comments, and of the
-    numbers among its globals (constants a kernel freezes when it is compiled)."""
+    numbers among its globals (constants a kernel freezes when it is compiled); computed
+    once per module, one thread at a time."""
+    with _digest_lock:
+        digest = _digests.get(module.__name__)
+        if digest is None:
+            digest = _digests[module.__name__] = _source_digest(module)
+        return digest
+
+
+def _source_digest(module: ModuleType) -> str:
     import numba
 
     tree = ast.parse(inspect.getsource(module))
