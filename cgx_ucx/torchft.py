@@ -359,19 +359,33 @@ def _release(group: _CGXGroup) -> None:
 
 class DistributedDataParallel(_FtDDP):
     """torchft's ``DistributedDataParallel`` whose comm hook also takes the Manager's
-    error path: once a step has failed, ``Manager.allreduce`` returns a finished
-    placeholder work whose future torchft 0.2.0's hook cannot unwrap (an
-    AssertionError/AttributeError inside backward). Here its future is returned as it
-    is, so the step ends and ``should_commit`` discards it. Same constructor."""
+    error paths, where torchft 0.2.0's hook fails or hangs inside backward:
+
+    - once a step has failed, ``Manager.allreduce`` returns a finished placeholder work
+      whose future torchft's hook cannot unwrap (an AssertionError/AttributeError): here
+      its future is returned as it is;
+    - a bucket's all-reduce that fails (any error the process group raises) makes the
+      managed work's ``wait()`` record the error and return False without ever setting up
+      its future, which then never completes: DDP's backward waited on it forever. Here
+      the bucket comes back as it is, finished.
+
+    Either way the step ends, and ``should_commit`` discards it. Same constructor."""
 
     # Unannotated: DDP checks the annotations, and this module's are strings.
     @staticmethod
     def _comm_hook(state, bucket):  # type: ignore[no-untyped-def]
         work = state.allreduce(bucket.buffer())
-        work.wait()
+        if work.wait() is False:  # the Manager holds the error: the step is discarded
+            return _finished(bucket.buffer())
         fut = work.get_future()
         inner = getattr(fut, "_fut", None)  # a managed future: hand out the real one
         return inner if inner is not None else fut
+
+
+def _finished(value: torch.Tensor) -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
 
 
 class PseudoGradientFeedback:

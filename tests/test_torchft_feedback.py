@@ -1,6 +1,7 @@
-"""Error feedback on DiLoCo's pseudo-gradients (cgx_ucx.torchft.PseudoGradientFeedback),
-on stand-ins of a DiLoCo fragment and its Manager (no processes): what each sync sends,
-the residual it leaves, rollback of uncommitted syncs, healing groups, refusals."""
+"""cgx_ucx.torchft on stand-ins of torchft's objects (no processes): error feedback on
+DiLoCo's pseudo-gradients (PseudoGradientFeedback: what each sync sends, the residual it
+leaves, rollback of uncommitted syncs, healing groups, refusals), and the DDP comm hook on
+the Manager's error path."""
 
 from __future__ import annotations
 
@@ -153,3 +154,39 @@ def test_two_fragments_keep_residuals_of_their_own():
     residual_a = sent_a["w"] - quantized(sent_a["w"], 2)
     g, sent = sync(a, rng)
     assert torch.equal(sent["w"], g["w"] + residual_a)
+
+
+# -- the DDP comm hook on the Manager's error path -------------------------------------------
+
+
+def test_ddp_hook_finishes_a_bucket_whose_all_reduce_failed():
+    """torchft's managed work records a failed all-reduce and returns False from wait()
+    without ever setting up its future, which then never completes: DDP's backward would
+    wait on it forever. The hook hands the bucket back, finished."""
+    import weakref
+
+    from torchft.manager import _ManagedFuture
+
+    from cgx_ucx.torchft import DistributedDataParallel
+
+    class FailedWork:
+        def wait(self, timeout=None):
+            return False  # what _ManagedWork.wait returns once it reported the error
+
+        def get_future(self):
+            return _ManagedFuture(weakref.ref(self))  # never completed
+
+    class Manager:
+        def allreduce(self, tensor):
+            return FailedWork()
+
+    class Bucket:
+        def __init__(self):
+            self.data = torch.arange(4, dtype=torch.float32)
+
+        def buffer(self):
+            return self.data
+
+    bucket = Bucket()
+    fut = DistributedDataParallel._comm_hook(Manager(), bucket)
+    assert fut.done() and torch.equal(fut.wait(), torch.arange(4, dtype=torch.float32))

@@ -71,6 +71,46 @@ def test_kill_and_rejoin_ends_bit_identical(tmp_path: Path) -> None:
         assert "PeerLostError" in r["errored"] or "gone" in r["errored"], r
 
 
+#: Makes replica group 0's first compressed all-reduce (of more than the connect's
+#: warm-up) raise, as a codec or library failure would.
+_FAIL_ONCE = """
+import os, sys
+if "--replica-id" in sys.argv and sys.argv[sys.argv.index("--replica-id") + 1] == "0":
+    from cgx_ucx.compression import codec, host_run
+    failed = []
+    def failing(real):
+        def call(self_or_backend, x, *args, **kwargs):
+            if getattr(x, "size", 0) > 2000 and not failed:
+                failed.append(1)
+                raise RuntimeError("injected codec failure")
+            return real(self_or_backend, x, *args, **kwargs)
+        return call
+    host_run.HostRun.encode = failing(host_run.HostRun.encode)
+    codec.encode_with = failing(codec.encode_with)
+"""
+
+
+def test_a_failed_all_reduce_fails_the_step_not_the_job(tmp_path: Path) -> None:
+    """Group 0's all-reduce raises in step 0 (an error that is not a lost peer): both
+    groups record the step's error, the Manager discards the step, and training goes on;
+    no backward waits forever on the failed bucket."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(_FAIL_ONCE)
+    args = [*TINY, "--backend", "cgx", "--bits", "4", "--steps", "8", "--end-with", "2"]
+    lighthouse, job = _job(tmp_path, args)
+    job.env = lambda replica: {"PYTHONPATH": str(inject)}
+
+    def body() -> None:
+        job.start_together(range(2), 120, die={})
+
+    _run(job, lighthouse, body)
+    a, b = _finals(tmp_path, range(2))
+    assert a["step"] == b["step"] >= 8 and a["digest"] == b["digest"]
+    errors = [r["errored"] for g in range(2) for r in read_reports(tmp_path, g) if r.get("errored")]
+    assert any("injected codec failure" in e for e in errors), errors
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("bits", "feedback"), [(4, False), (2, False), (2, True)])
 def test_diloco_pseudo_gradients_compressed(tmp_path: Path, bits: int, feedback: bool) -> None:
