@@ -358,28 +358,79 @@ def _release(group: _CGXGroup) -> None:
 
 
 class DistributedDataParallel(_FtDDP):
-    """torchft's ``DistributedDataParallel`` whose comm hook also takes the Manager's
-    error paths, where torchft 0.2.0's hook fails or hangs inside backward:
+    """torchft's ``DistributedDataParallel`` with a comm hook that does not wait for each
+    bucket's all-reduce, and that takes the Manager's error paths, where torchft 0.2.0's
+    hook waits, fails or hangs inside backward:
 
+    - torchft's hook calls ``wait()`` on each bucket's work before it returns, so a
+      bucket's all-reduce never overlaps the backward pass of the layers before it. Here
+      the managed work's future chain (the Manager's average, its error handling) is set
+      up without waiting, and DDP waits for all buckets at the end of backward, as with a
+      plain process group;
     - once a step has failed, ``Manager.allreduce`` returns a finished placeholder work
       whose future torchft's hook cannot unwrap (an AssertionError/AttributeError): here
       its future is returned as it is;
-    - a bucket's all-reduce that fails (any error the process group raises) makes the
+    - a bucket's all-reduce that fails (any error the process group raises) made the
       managed work's ``wait()`` record the error and return False without ever setting up
-      its future, which then never completes: DDP's backward waited on it forever. Here
-      the bucket comes back as it is, finished.
+      its future, which then never completed: DDP's backward waited on it forever. Here
+      the Manager's error handling completes the bucket's future with the bucket as it is.
 
-    Either way the step ends, and ``should_commit`` discards it. Same constructor."""
+    Either way the step ends, and ``should_commit`` discards a failed one. Same
+    constructor."""
 
     # Unannotated: DDP checks the annotations, and this module's are strings.
     @staticmethod
     def _comm_hook(state, bucket):  # type: ignore[no-untyped-def]
         work = state.allreduce(bucket.buffer())
+        chained = _managed_future(work)
+        if chained is not None:
+            return chained
         if work.wait() is False:  # the Manager holds the error: the step is discarded
             return _finished(bucket.buffer())
         fut = work.get_future()
         inner = getattr(fut, "_fut", None)  # a managed future: hand out the real one
         return inner if inner is not None else fut
+
+
+def _managed_future(work: Any) -> torch.futures.Future | None:
+    """A future of torchft's managed ``work`` that completes when its all-reduce and the
+    callbacks registered on it (the Manager's average) are done, without waiting for it;
+    a failure is reported to the Manager and the future completes with the bucket as it
+    is (``Manager.wrap_future``). None for any other work (a finished placeholder, a
+    plain process group's), or a torchft whose managed work is built otherwise.
+
+    torchft 0.2 runs that chain only inside ``wait()``, after waiting: its callbacks
+    close over the loop variable that walks the chain, so run later they find the wrong
+    node. The chain is walked here instead, each callback bound to its own node."""
+    head = getattr(work, "_managed_fut_head", None)
+    inner, manager = getattr(work, "_work", None), getattr(work, "_manager", None)
+    if head is None or inner is None or manager is None or not hasattr(work, "_value"):
+        return None
+    from torchft.manager import _SimpleFuture
+
+    value = [work._value]  # noqa: SLF001 - torchft 0.2's managed work, no public way
+
+    def step(callback: Any) -> Any:
+        def run(done: torch.futures.Future) -> Any:
+            done.wait()  # the all-reduce's error, if any, goes on to wrap_future
+            value[0] = callback(_SimpleFuture(value[0]))
+            return value[0]
+
+        return run
+
+    fut = inner.get_future()
+    node = head
+    while node._next is not None:  # noqa: SLF001
+        fut = fut.then(step(node._callback))  # noqa: SLF001
+        node = node._next  # noqa: SLF001
+    if node is head:  # no callback: the bucket is the all-reduce's result
+        fut = fut.then(lambda done: (done.wait(), value[0])[1])
+    fut = manager.wrap_future(fut, value[0])
+    # A later wait() on the work waits for this chain instead of running the callbacks
+    # a second time.
+    node._fut = fut  # noqa: SLF001
+    work._is_set_future_callback_called = True  # noqa: SLF001
+    return fut
 
 
 def _finished(value: torch.Tensor) -> torch.futures.Future:

@@ -8,11 +8,11 @@ Lighthouse, then any number of groups, at any time; kill and restart them freely
     TORCHFT_LIGHTHOUSE=http://localhost:29510 python examples/torchft_train.py --replica-id 0 &
     TORCHFT_LIGHTHOUSE=http://localhost:29510 python examples/torchft_train.py --replica-id 1
 
-``--diloco`` trains with DiLoCo instead, its pseudo-gradients at 2 bits; give its
-Lighthouse a join timeout longer than the groups' spread at an outer sync
-(``--join_timeout_ms 30000``), or a late group is left out and must heal every sync. ``--demo`` runs
-the whole story on this host: a Lighthouse, two groups, one of them SIGKILLed mid-run
-and restarted; both end at the same step with bit-identical parameters.
+``--diloco`` trains with DiLoCo instead, its pseudo-gradients at 2 bits with error
+feedback; give its Lighthouse a join timeout longer than the groups' spread at an outer
+sync (``--join_timeout_ms 30000``), or a late group is left out and must heal every sync.
+``--demo`` runs the whole story on this host: a Lighthouse, two groups, one of them
+SIGKILLed mid-run and restarted; both end at the same step with bit-identical parameters.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from torchft import Manager
 from torchft.local_sgd import DiLoCo
 from torchft.optim import OptimizerWrapper
 
-from cgx_ucx.torchft import DistributedDataParallel, ProcessGroupCGX
+from cgx_ucx.torchft import DistributedDataParallel, ProcessGroupCGX, PseudoGradientFeedback
 
 
 def train(replica_id: int, steps: int, diloco: bool) -> str:
@@ -69,7 +69,9 @@ def train(replica_id: int, steps: int, diloco: bool) -> str:
     try:
         if diloco:
             outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-            with DiLoCo(manager, [model], inner, outer, sync_every=10):
+            with DiLoCo(manager, [model], inner, outer, sync_every=10) as local_sgd:
+                # Each sync's 2-bit quantization error goes into the next sync.
+                PseudoGradientFeedback(local_sgd, pg)
                 local = 0
                 while manager.current_step() < steps:
                     x, y = batch(local)
