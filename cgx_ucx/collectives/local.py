@@ -345,7 +345,12 @@ def wait_blocking(r: Round, budget: float, poll: Callable[[int], bool] | None = 
         r.overdue()
         if time.perf_counter() >= end:
             return False
-        os.sched_yield()  # a peer sharing this core runs now
+        if spins:
+            os.sched_yield()  # a peer sharing this core runs now
+        else:
+            # A full host: a yield hands the core to another process for a whole time
+            # slice; a short sleep comes back with the scheduler's credit for sleepers.
+            time.sleep(FIRST_SLEEP_S)
         if poll(1):
             return True
 
@@ -362,8 +367,8 @@ async def wait_async(r: Round, poll: Callable[[int], bool] | None = None) -> Non
     while time.perf_counter() < spin_end:
         if poll(spins):
             return
-    yield_end = time.perf_counter() + YIELD_S
-    pause = 0.0
+    yield_end = time.perf_counter() + (YIELD_S if spins else 0.0)
+    pause = 0.0 if spins else FIRST_SLEEP_S  # a full host: no yields (see wait_blocking)
     while True:
         r.overdue()
         if not pause:
