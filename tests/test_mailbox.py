@@ -415,6 +415,10 @@ def test_a_stuck_peer_times_out_every_call():
     assert all(took < 6 for _, took in res[0])
 
 
+#: What a call may end with when a peer, or this rank, closes under it.
+EXPECTED_ON_CLOSE = {"ok", "TransportError", "PeerLostError", "CGXTimeoutError"}
+
+
 def close_race_job(ctx):
     """Rank 0 closes its communicator from the main thread while a worker thread runs
     1 MiB mailbox allreduces on it: the worker's calls end in typed errors (or succeed)."""
@@ -429,6 +433,8 @@ def close_race_job(ctx):
                 kinds.append("ok")
             except Exception as exc:
                 kinds.append(type(exc).__name__)
+                if type(exc).__name__ not in EXPECTED_ON_CLOSE:
+                    kinds.append(str(exc)[:300])  # what the failure says, if it fails
                 if comm.closed or isinstance(exc, PeerLostError):
                     return
 
@@ -447,7 +453,7 @@ def test_close_while_a_thread_runs_mailbox_calls():
     res = run_ranks(close_race_job, 2, timeout=120)
     for kinds, hung in res:
         assert not hung
-        assert set(kinds) <= {"ok", "TransportError", "PeerLostError", "CGXTimeoutError"}, kinds
+        assert set(kinds) <= EXPECTED_ON_CLOSE, kinds
 
 
 async def shm_disagreement_job(ctx):
@@ -526,3 +532,39 @@ def test_a_small_job_on_one_host_never_loads_numba():
     out = run_ranks(lean_job, 2, timeout=60)
     assert [r[:2] for r in out] == [(True, False), (True, False)]
     assert out[0][2].tobytes() == out[1][2].tobytes()
+
+
+def test_started_never_pairs_one_collectives_number_with_anothers_signature(monkeypatch):
+    """A peer announcing its next network collective while this rank reads its last one
+    must not look like a mismatch: the writer clears the number while it rewrites the
+    signature, and the reader takes the number only if it reads the same one after."""
+    from cgx_ucx.transport import mailbox
+
+    a, b = Mailbox(0, 2), Mailbox(1, 2)
+    try:
+        assert a.attach({1: b.descriptor()}) is None and b.attach({0: a.descriptor()}) is None
+        stores = []
+        real_store = mailbox._store
+        monkeypatch.setattr(
+            mailbox, "_store", lambda w, i, v: (stores.append((i, int(v))), real_store(w, i, v))
+        )
+        b.announce(7, np.full(8, 7, np.uint64))
+        assert stores == [(mailbox.W_STARTED, 0), (mailbox.W_STARTED, 8)]
+        seq, sig = a.started(1)
+        assert seq == 7 and list(sig) == [7] * 8
+        # The peer rewrites them between this rank's two loads of the number.
+        real_load = mailbox._load
+        loads = []
+
+        def load(words, i):
+            loads.append(i)
+            if i == mailbox.W_STARTED and loads.count(i) == 2:
+                b.announce(8, np.full(8, 8, np.uint64))
+            return real_load(words, i)
+
+        monkeypatch.setattr(mailbox, "_load", load)
+        assert a.started(1)[0] == -1  # not #7 with #8's signature
+        assert a.started(1)[0] == 8
+    finally:
+        a.close()
+        b.close()

@@ -259,7 +259,10 @@ class Mailbox:
         self._posts += 1
 
     def announce(self, seq: int, sig: np.ndarray) -> None:
-        """Say that collective ``seq`` runs over the network here (signature ``sig``)."""
+        """Say that collective ``seq`` runs over the network here (signature ``sig``).
+        The number is cleared while the signature is rewritten, so that a reader never
+        pairs one collective's number with another's signature (see :meth:`started`)."""
+        _store(self.words, W_STARTED, 0)
         self.words[W_STARTED_SIG : W_STARTED_SIG + SIG_WORDS] = sig
         _store(self.words, W_STARTED, seq + 1)
 
@@ -285,10 +288,17 @@ class Mailbox:
         return int(_load(self.peer_words[peer], W_POSTED)) - 1
 
     def started(self, peer: int) -> tuple[int, np.ndarray]:
-        """The last collective ``peer`` started over the network, and its signature."""
+        """The last collective ``peer`` started over the network, and its signature; -1
+        (none) while the peer rewrites them: the number is read again after the
+        signature, and a peer that announced another collective in between (its next
+        call, while this rank still waits on the last one) would otherwise look like a
+        mismatch."""
         words = self.peer_words[peer]
         seq = int(_load(words, W_STARTED)) - 1
-        return seq, words[W_STARTED_SIG : W_STARTED_SIG + SIG_WORDS].copy()
+        sig = words[W_STARTED_SIG : W_STARTED_SIG + SIG_WORDS].copy()
+        if int(_load(words, W_STARTED)) - 1 != seq:
+            return -1, sig
+        return seq, sig
 
     def aborted(self, peer: int, seq: int) -> tuple[int, int, str] | None:
         """(code, culprit, reason) when ``peer`` gave up collective ``seq``."""
