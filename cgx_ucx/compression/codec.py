@@ -449,12 +449,9 @@ def _backend_for(a: Any, numel: int | None = None) -> ModuleType:
     segment ``a``), the NumPy reference before."""
     if is_cupy(a):
         return _backend("cupy")
-    host = _BACKENDS.get("numba")
-    if host is not None:
-        return host
     if numel is None:
-        numel = read_header(a).numel
-    return _backend("numba" if host_kernels_due(numel) else "numpy")
+        numel = 0 if "numba" in _BACKENDS else read_header(a).numel
+    return host_kernels(numel) or _backend("numpy")
 
 
 def host_kernels(numel: int) -> ModuleType | None:
