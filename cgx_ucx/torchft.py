@@ -518,18 +518,15 @@ class PseudoGradientFeedback:
         fragment.perform_sync = perform_sync_then_keep
 
     def _apply(self, number: int, grads: dict[str, torch.Tensor]) -> None:
-        from .layout import Layout
-        from .torch._convert import FLOAT_DTYPES
+        from .torch.ops import allreduce_layout
 
         config = self._pg.effective_compression()
         for name, g in grads.items():
             if not g.is_contiguous():  # not one of DiLoCo's: it makes each one afresh
                 continue
             index = self._index.setdefault((number, name), len(self._index))
-            compressed = config is not None and g.dtype in FLOAT_DTYPES
-            layout = (
-                Layout.from_sizes([g.numel()], config) if compressed else Layout.uniform(g.numel())
-            )
+            # The layout the group's all_reduce sends it with: the same rounding.
+            layout = allreduce_layout(g.numel(), g.dtype, config)
             self._feedback.apply(index, g.view(-1), layout)
         self.applied += 1
 

@@ -38,6 +38,7 @@ __all__ = [
     "allgather_coalesced",
     "allgather_into_tensor_coalesced",
     "allreduce_into",
+    "allreduce_layout",
     "alltoall",
     "alltoall_single",
     "gather",
@@ -207,6 +208,14 @@ def _sums(t: torch.Tensor, op: Any) -> bool:
     return name is not None and _engine_sums(t.dtype, name)
 
 
+def allreduce_layout(numel: int, dtype: torch.dtype, cfg: CompressionConfig | None) -> Layout:
+    """The layout a SUM/AVG all_reduce of ``numel`` engine values of ``dtype`` is sent
+    with under ``cfg``: one layer, compressed when ``cfg`` is on and the dtype is a float
+    the codec takes (None: uncompressed)."""
+    on = cfg is not None and cfg.enabled and dtype in FLOAT_DTYPES
+    return _one_layer(numel, cfg if on else None)
+
+
 @functools.lru_cache(maxsize=256)
 def _one_layer(numel: int, cfg: CompressionConfig | None) -> Layout:
     """The layout of a one-tensor all_reduce (``cfg`` None: uncompressed). Cached: a
@@ -230,7 +239,7 @@ def allreduce_into(
     name = _ENGINE_OPS.get(op)
     if name is not None and _engine_sums(t.dtype, name):
         arr = as_array(t)  # any shape (the engine flattens it); complex: 2 floats a value
-        lay = _one_layer(arr.size, cfg if cfg.enabled and t.dtype in FLOAT_DTYPES else None)
+        lay = allreduce_layout(arr.size, t.dtype, cfg)
         # The engine's allreduce_now hands back a call that completed on this thread
         # without making a future; any other communicator (a wrapper, a subclass that
         # overrides allreduce, a test double) is called through its allreduce.
