@@ -193,3 +193,72 @@ def test_results_do_not_depend_on_the_cap_and_idle_staging_comes_down_to_it(bits
     for u in usage:
         assert u["held"] == 0 and u["idle"] == 0
     assert min(u["idle"] for u in roomy_usage) > 0
+
+
+def _peak_of_one_call(n: int, bits: int, algorithm: str, world: int = 2) -> int:
+    """Peak staging bytes of rank 0 over one allreduce of ``n`` float32 values."""
+
+    async def main() -> int:
+        net = FakeNetwork(world)
+        cfg = CommConfig(timeout=60.0, connect_timeout=10.0)
+        comms = [Communicator(_as_transport(t), cfg) for t in net.nodes]
+        xs = [np.full(n, r + 1, np.float32) for r in range(world)]
+        try:
+            await asyncio.gather(
+                *(
+                    c.allreduce(x, bits=bits, algorithm=algorithm)
+                    for c, x in zip(comms, xs, strict=True)
+                )
+            )
+            assert all(np.array_equal(x, xs[0]) for x in xs)
+            np.testing.assert_allclose(xs[0], world * (world + 1) / 2, rtol=1e-6)
+            return comms[0]._pool.usage()["peak"]
+        finally:
+            for c in comms:
+                await c.close()
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("bits", "algorithm", "world"), [(32, "sra", 2), (4, "sra", 2), (32, "ring", 3), (4, "ring", 3)]
+)
+def test_a_large_allreduce_stages_the_pieces_in_flight_not_the_buffer(bits, algorithm, world):
+    """Received pieces go back to the pool once reduced and sent pieces once sent, and a
+    rank receives a bounded window ahead of its reduction: a 128 MiB allreduce stages
+    a few pieces, where holding every piece until the call ends staged the peer's whole
+    chunk (64 MiB uncompressed on 2 ranks)."""
+    from cgx_ucx.collectives.sra import RECV_WINDOW_BYTES
+
+    n = 128 * MiB // 4
+    peak = _peak_of_one_call(n, bits, algorithm, world)
+    chunk = 128 * MiB // world
+    bound = RECV_WINDOW_BYTES + 16 * MiB if bits == 32 else chunk // 8
+    if algorithm == "ring":  # its accumulators: one per step raw, two alternating encoded
+        bound += (world - 1 if bits == 32 else 2) * size_class(chunk)
+    assert peak <= bound, (peak / MiB, bound / MiB)
+
+
+def test_a_mismatch_drains_the_matching_peers_past_the_receive_window(monkeypatch):
+    """Where one peer called something else, nothing is reduced, and the peers that
+    matched are still received to their last piece (not held at the window): every rank
+    raises the mismatch, and the next call works."""
+    from test_collectives_unit import run_world
+
+    from cgx_ucx.collectives import sra
+    from cgx_ucx.errors import CollectiveMismatchError
+
+    monkeypatch.setattr(sra, "RECV_WINDOW_BYTES", 0)  # two pieces a peer
+    n = 3 * 16 * MiB // 4  # chunks of 16 MiB: four pieces each
+
+    async def body(comm):
+        x = np.ones(n, np.float32)
+        with pytest.raises(CollectiveMismatchError, match="rank 1 called"):
+            await comm.allreduce(x, bits=4 if comm.rank == 1 else 32, algorithm="sra")
+        assert np.all(x == 1)  # nothing written into the buffer of a failed call
+        await comm.allreduce(x, algorithm="sra")
+        return x
+
+    for x in run_world(3, body, timeout=60.0):
+        assert not isinstance(x, BaseException), x
+        assert np.all(x == 3)

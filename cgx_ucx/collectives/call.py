@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from ..arrays import is_cupy
 from ..errors import (
     CGXError,
     CollectiveMismatchError,
@@ -39,7 +40,7 @@ from ..transport.frames import (
 )
 from ..transport.handshake import MAX_SLOTS
 from .piece_codec import CodecRunner
-from .staging import BufferPool, byte_view
+from .staging import BufferPool, byte_view, owner
 from .transport import Transport
 
 __all__ = [
@@ -227,15 +228,48 @@ class Call:
         #: Added to every slot this call sends and receives on (stages of one collective
         #: that run at once on the same peers use disjoint slot ranges).
         self.slot_base = 0
-        self._taken: list[Any] = []
+        #: Staging this call holds, by the id of the pool's buffer (:meth:`give` returns
+        #: one early, given any view of it).
+        self._taken: dict[int, Any] = {}
         self._segments: list[Any] = []
 
     # -- staging ----------------------------------------------------------------------
     def take(self, nbytes: int, like: Any) -> Any:
         """``nbytes`` of staging on ``like``'s device, held until :meth:`give_back_all`."""
         buf = self.pool.take(nbytes, like)
-        self._taken.append(buf)
+        self._taken[id(owner(buf))] = buf
         return buf
+
+    def give(self, buf: Any) -> None:
+        """Return host staging from :meth:`take` before the call ends, once nothing uses
+        it any more (a receive into it completed and its bytes were consumed, or every
+        send of it completed), so the next piece reuses it: what a call holds is bounded
+        by the pieces in flight, not by the whole buffer. GPU staging stays held until
+        :meth:`give_back_all` (queued kernels may still read it)."""
+        if is_cupy(buf):
+            return
+        taken = self._taken.pop(id(owner(buf)), None)
+        if taken is not None:
+            self.pool.give(taken)
+
+    def give_after(self, sends: list[asyncio.Future], buf: Any) -> None:
+        """:meth:`give` ``buf`` once every one of ``sends`` (the sends of its bytes) has
+        completed; never if one of them failed (UCX may still own it)."""
+        if not sends:
+            self.give(buf)
+            return
+        left = [len(sends)]
+
+        def done(f: asyncio.Future) -> None:
+            if f.cancelled() or f.exception() is not None:
+                left[0] = -1
+                return
+            left[0] -= 1
+            if left[0] == 0:
+                self.give(buf)
+
+        for f in sends:
+            f.add_done_callback(done)
 
     def take_segment(self, nbytes: int) -> Any:
         """A node-local shared segment (:mod:`cgx_ucx.transport.shm`) of at least
@@ -247,7 +281,7 @@ class Call:
     def give_back_all(self) -> None:
         """Return staging to the pool (only after success: UCX may still own it otherwise,
         and a peer may still read a shared segment)."""
-        for buf in self._taken:
+        for buf in self._taken.values():
             self.pool.give(buf)
         self._taken.clear()
         for seg in self._segments:

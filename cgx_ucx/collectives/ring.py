@@ -14,7 +14,8 @@ On rank r:
 
 Raw pieces are sent straight from the accumulators (no copy), so each reduce-scatter
 step gets its own; encoded pieces are copied out by the codec, so two alternating
-accumulators suffice.
+accumulators suffice. Host staging for received and encoded pieces goes back to the pool
+as soon as its bytes are consumed or sent (:meth:`~.call.Call.give`).
 """
 
 from __future__ import annotations
@@ -73,12 +74,16 @@ class Ring(PieceSteps):
             accs.append(raw_acc.view(spec.acc_dtype) if biggest else xp.empty(0, spec.acc_dtype))
         return accs
 
-    def send(self, phase: int, step: int, k: int, payload: Any, count: int) -> None:
-        """Piece ``k`` of ``step`` to the right neighbour (in the background)."""
+    def send(
+        self, phase: int, step: int, k: int, payload: Any, count: int, staged: bool = False
+    ) -> None:
+        """Piece ``k`` of ``step`` to the right neighbour (in the background); ``staged``:
+        ``payload`` is staging, given back once sent."""
         slot = step * self.P + k
-        self.sends.append(
-            asyncio.ensure_future(self.call.send(self.right, phase, slot, payload, count))
-        )
+        fut = asyncio.ensure_future(self.call.send(self.right, phase, slot, payload, count))
+        self.sends.append(fut)
+        if staged:
+            self.call.give_after([fut], payload)
 
     async def wire(self, src: Any, base: int, piece: Piece) -> Any:
         if self.spec.raw:
@@ -98,7 +103,9 @@ class Ring(PieceSteps):
                 tmp[seg.start - piece.start : seg.stop - piece.start] = acc[
                     seg.start - base : seg.stop - base
                 ]
-        return await self.encode(acc, base, piece, tmp, piece.start)
+        wire = await self.encode(acc, base, piece, tmp, piece.start)
+        self.call.give(tmp)
+        return wire
 
     # -- step 1 --------------------------------------------------------------------------
     async def reduce_scatter(self) -> tuple[Any, int]:
@@ -106,7 +113,8 @@ class Ring(PieceSteps):
         r, n_world, plan = self.rank, self.n_world, self.plan
         first = plan.chunks[r]
         for k, piece in enumerate(first.pieces):
-            self.send(PH_DATA, 0, k, await self.wire(self.x, 0, piece), len(first.pieces))
+            wire = await self.wire(self.x, 0, piece)
+            self.send(PH_DATA, 0, k, wire, len(first.pieces), staged=not self.spec.raw)
         acc, base = self.accs[0], 0
         for s in range(self.steps):
             chunk = plan.chunks[(r - s - 1) % n_world]
@@ -125,17 +133,19 @@ class Ring(PieceSteps):
             self.add_raw(a, buf, piece)
         else:
             await self.codec.run(piece.numel, decode_add_piece, buf, piece, acc, base, dtype)
+        self.call.give(buf)
         if s == self.steps - 1:
             return
         if self.spec.raw and self.spec.acc_dtype != dtype:
             tmp = self.call.take(piece.numel * dtype.itemsize, x)
             tv = tmp.view(dtype) if piece.numel else self.xp.empty(0, dtype)
             tv[...] = a
-            self.send(PH_DATA, s + 1, k, byte_view(tv), count)
+            self.send(PH_DATA, s + 1, k, byte_view(tv), count, staged=True)
         elif self.spec.raw:
             self.send(PH_DATA, s + 1, k, self.view(acc, base, piece), count)
         else:
-            self.send(PH_DATA, s + 1, k, await self.encode_partial(acc, base, piece), count)
+            wire = await self.encode_partial(acc, base, piece)
+            self.send(PH_DATA, s + 1, k, wire, count, staged=True)
 
     async def recv_partial(self, s: int, k: int, count: int, piece: Piece) -> Any:
         frame = await self.call.recv_header(self.left, PH_DATA, s * self.P + k)
@@ -160,7 +170,7 @@ class Ring(PieceSteps):
             else:
                 payload = await self.requantize(piece, acc, base)
             synchronize(payload)
-            self.send(PH_GATHER, 0, k, payload, len(own.pieces))
+            self.send(PH_GATHER, 0, k, payload, len(own.pieces), staged=not self.spec.raw)
 
     # -- step 3 --------------------------------------------------------------------------
     async def allgather(self) -> None:
@@ -170,5 +180,8 @@ class Ring(PieceSteps):
             for k, piece in enumerate(chunk.pieces):
                 frame = await self.call.recv_header(self.left, PH_GATHER, s * self.P + k)
                 got = await self.recv_result(self.left, frame, piece)
+                staged = not self.spec.raw
                 if s < self.steps - 1:
-                    self.send(PH_GATHER, s + 1, k, byte_view(got), len(chunk.pieces))
+                    self.send(PH_GATHER, s + 1, k, byte_view(got), len(chunk.pieces), staged)
+                elif staged:
+                    self.call.give(got)

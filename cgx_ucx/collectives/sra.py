@@ -19,6 +19,11 @@ On rank r of N:
 Uncompressed layouts send the caller's memory as is (no staging, no copy) and reduce in
 place for float32/float64/integer buffers, so integer sums and exactly representable
 float sums equal NumPy's.
+
+Staging is bounded by the pieces in flight, not by the buffer: a rank receives at most
+:data:`RECV_WINDOW_BYTES` (at least two pieces) from each peer ahead of its reduction, and
+every host staging buffer goes back to the pool as soon as its bytes are consumed or sent,
+so the next piece reuses it.
 """
 
 from __future__ import annotations
@@ -33,7 +38,13 @@ from .piece_codec import decode_add_piece, reduce_requantize_piece
 from .reduction import AllreduceSpec, PieceSteps
 from .staging import synchronize
 
-__all__ = ["Sra", "sra"]
+__all__ = ["RECV_WINDOW_BYTES", "Sra", "sra"]
+
+#: Received bytes a rank holds per peer ahead of reducing them (at least two pieces, so
+#: receiving piece k+1 still overlaps reducing piece k). Without a bound a peer's whole
+#: chunk can sit in staging when receiving outruns reducing (one host, shared memory):
+#: 128 MiB of a 256 MiB uncompressed allreduce on 2 ranks.
+RECV_WINDOW_BYTES = 16 << 20
 
 
 async def sra(call: Call, x: Any, spec: AllreduceSpec) -> None:
@@ -81,6 +92,10 @@ class Sra(PieceSteps):
             f.add_done_callback(_consumed)
         self.problems: list[str] = []
         self.gather_tasks: list[asyncio.Future] = []
+        biggest = max((self.payload_nbytes(q) for q in self.own.pieces), default=0)
+        window = max(2, RECV_WINDOW_BYTES // max(biggest, 1))
+        #: Per peer: pieces it may still have received and not yet reduced.
+        self.window = {p: asyncio.Semaphore(window) for p in self.peers}
 
     async def run(self) -> None:
         try:
@@ -110,6 +125,8 @@ class Sra(PieceSteps):
                 piece = pieces[k]
                 payload = self.view(x, 0, piece) if raw else await self.encode(x, 0, piece)
                 sends.append(asyncio.ensure_future(call.send(p, PH_SIG, k, payload, len(pieces))))
+                if not raw:
+                    call.give_after(sends[-1:], payload)
         await gather_or_cancel(sends)
 
     async def scatter_recv(self, p: int) -> None:
@@ -120,6 +137,7 @@ class Sra(PieceSteps):
                 frame = await call.recv_header(p, PH_SIG, k, first=k == 0)
                 if k == 0 and not await self.accept_signature(p, frame):
                     return
+                await self.window[p].acquire()
                 buf = call.take(self.payload_nbytes(piece), self.x)
                 await call.recv_payload(p, frame, buf)
                 self.scatter.fut(p, k).set_result(buf)
@@ -157,6 +175,10 @@ class Sra(PieceSteps):
         """Reduce each piece of our chunk in rank order, then send it to every peer."""
         ok = await asyncio.gather(*self.sig_futs.values())
         if not all(ok):
+            # Nothing is reduced: the peers that matched are received to the end unheld.
+            for window in self.window.values():
+                for _ in self.own.pieces:
+                    window.release()
             return
         # All signatures matched: from here on we may write into the caller's buffer.
         call, spec, own = self.call, self.spec, self.own
@@ -171,10 +193,12 @@ class Sra(PieceSteps):
             else:
                 payload = await self.reduce_requantize(acc, k, piece)
             synchronize(payload)
-            for p in self.peers:
-                self.gather_tasks.append(
-                    asyncio.ensure_future(call.send(p, PH_DATA, k, payload, count))
-                )
+            sends = [
+                asyncio.ensure_future(call.send(p, PH_DATA, k, payload, count)) for p in self.peers
+            ]
+            self.gather_tasks.extend(sends)
+            if not spec.raw:
+                call.give_after(sends, payload)
 
     async def reduce_piece(self, acc: Any, k: int, piece: Any) -> Any:
         """Add every peer's piece ``k`` of our chunk into ``acc`` in rank order (so the
@@ -198,7 +222,14 @@ class Sra(PieceSteps):
                 await self.codec.run(
                     piece.numel, decode_add_piece, buf, piece, acc, base, self.dtype
                 )
+            self.consumed(p, buf)
         return a
+
+    def consumed(self, p: int, buf: Any) -> None:
+        """Peer ``p``'s received piece ``buf`` is reduced: its staging goes back to the
+        pool and the peer's next piece may be received."""
+        self.call.give(buf)
+        self.window[p].release()
 
     async def reduce_requantize(self, acc: Any, k: int, piece: Any) -> Any:
         """Compressed path: :meth:`reduce_piece`, then :meth:`requantize`, with the last
@@ -210,7 +241,7 @@ class Sra(PieceSteps):
         await self.add_pieces(acc, k, piece, first)
         buf = await self.scatter.fut(last, k)
         out = self.call.take(piece.wire_nbytes(self.dtype), self.x)
-        return await self.codec.run(
+        wire = await self.codec.run(
             piece.numel,
             reduce_requantize_piece,
             buf,
@@ -225,6 +256,8 @@ class Sra(PieceSteps):
             self.call.seq,
             self.rank,
         )
+        self.consumed(last, buf)
+        return wire
 
     async def gather_recv(self, p: int) -> None:
         """Peer ``p``'s reduced chunk, piece by piece, into the caller's buffer."""
@@ -233,4 +266,6 @@ class Sra(PieceSteps):
             frame = await self.call.recv_header(p, PH_DATA, k)
             if frame.count != len(pieces):
                 raise ProtocolError(f"rank {p} announced {frame.count} pieces")
-            await self.recv_result(p, frame, piece)
+            got = await self.recv_result(p, frame, piece)
+            if not self.spec.raw:
+                self.call.give(got)

@@ -120,6 +120,9 @@ class StageCall(Call):
     def take(self, nbytes: int, like: Any) -> Any:
         return self.parent.take(nbytes, like)
 
+    def give(self, buf: Any) -> None:
+        self.parent.give(buf)
+
     def take_segment(self, nbytes: int) -> Any:
         return self.parent.take_segment(nbytes)
 
