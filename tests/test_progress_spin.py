@@ -88,3 +88,41 @@ def test_host_oversubscribed_follows_the_runnable_count(monkeypatch) -> None:
         monkeypatch.setattr(progress, "_load", [-1.0, not busy])  # force a re-read
         assert progress.host_oversubscribed() is busy
         assert progress.host_oversubscribed() is busy  # cached within LOAD_PERIOD_S
+
+
+def test_no_spare_core_once_the_job_has_more_ranks_here_than_cores(monkeypatch) -> None:
+    monkeypatch.setattr(progress, "runnable_threads", lambda: 1)
+    monkeypatch.setattr(progress, "_load", [-1.0, False])
+    monkeypatch.setattr(progress, "_crowded", [False])
+    assert not progress.no_spare_core()
+    cores = len(__import__("os").sched_getaffinity(0))
+    progress.share_cores(cores)
+    assert not progress.no_spare_core()
+    progress.share_cores(cores + 1)
+    assert progress.no_spare_core()
+    assert not progress.host_oversubscribed()  # the progress driver still spins
+    progress.share_cores(1)
+    assert not progress.no_spare_core()
+
+
+async def _crowded_after_connect(ctx) -> tuple[bool, float]:
+    import os
+
+    from cgx_ucx import connect
+
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # this job's ranks: one core
+    comm = await connect(ctx.store, ctx.rank, ctx.world_size)
+    try:
+        x = np.arange(300_000, dtype=np.float32)
+        await comm.allreduce(x, bits=4)  # pieces encoded inline: no codec thread
+        err = float(np.max(np.abs(x - 2 * np.arange(300_000, dtype=np.float32))))
+        return progress.no_spare_core(), err / 300_000
+    finally:
+        await comm.close()
+
+
+@pytest.mark.timeout(60)
+def test_connect_notes_ranks_that_share_fewer_cores() -> None:
+    for crowded, rel in run_ranks(_crowded_after_connect, 2, timeout=50):
+        assert crowded
+        assert rel < 0.01  # 4-bit max error, relative to the range

@@ -26,6 +26,7 @@ from ..compression import kernels
 from ..config import CommConfig, log_configuration, resolve_comm
 from ..errors import CGXError, ConfigError, TransportError
 from ..layout import Layout
+from ..transport import progress
 from ..transport.frames import Frame
 from ..transport.mailbox import Mailbox
 from ..transport.mesh import Mesh
@@ -108,6 +109,7 @@ async def connect(
     )
     compile_codec_in_background()
     share_codec_threads(len(mesh.local_ranks))
+    progress.share_cores(len(mesh.local_ranks))
     log_configuration(config, None, rank=mesh.rank, world_size=mesh.world_size)
     # The env:// store lives as long as the communicator: on rank 0 it is the TCPStore
     # server, which peers may still poll (the mailbox counter) after this rank's

@@ -324,7 +324,7 @@ class Round:
 
 
 def _spins() -> int:
-    return 0 if progress.host_oversubscribed() else SPINS
+    return 0 if progress.no_spare_core() else SPINS
 
 
 def wait_blocking(r: Round, budget: float, poll: Callable[[int], bool] | None = None) -> bool:

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..arrays import is_cupy, xp_of
 from ..compression import decode, decode_add, encode, encode_decode, reduce_encode
-from ..transport.progress import host_oversubscribed
+from ..transport.progress import no_spare_core
 from .plan import Piece
 
 __all__ = [
@@ -55,7 +55,7 @@ class CodecRunner:
 
     async def run(self, numel: int, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)``, for a piece of ``numel`` values."""
-        if numel < CODEC_INLINE_NUMEL or host_oversubscribed():
+        if numel < CODEC_INLINE_NUMEL or no_spare_core():
             return fn(*args)
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cgx-codec")
