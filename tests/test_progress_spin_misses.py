@@ -68,3 +68,26 @@ def test_dense_completions_keep_spinning(driver):
     opened = _spin_windows_opened(loop, drv, sparse + dense)
     assert opened[len(sparse) - 1] is False
     assert all(opened[len(sparse) + 1 :]), opened
+
+
+def test_where_no_core_is_spare_only_node_local_transfers_make_it_spin(driver, monkeypatch):
+    """With more ranks than cores here, a transfer with a peer on another node waits for
+    the network's events instead of spinning; one with a node-local peer (shared memory
+    signals no event for a rendezvous step) still spins."""
+    loop, drv = driver
+    loop.run_until_complete(asyncio.sleep(0))
+    monkeypatch.setattr(progress, "_crowded", [True])
+    remote = _Request()
+    drv.submit(remote, None, remote=True)
+    assert drv._due == 1 and not drv._may_spin()
+    local = _Request()
+    drv.submit(local, None)
+    assert drv._may_spin()
+    local.completed = True
+    drv._run()
+    assert drv._due == 1 and not drv._may_spin()
+    monkeypatch.setattr(progress, "_crowded", [False])
+    assert drv._may_spin()  # a spare core: spin for the network too
+    remote.completed = True
+    drv._run()
+    assert drv._due == 0 and drv._due_local == 0

@@ -109,6 +109,9 @@ class MeshSetup(MeshControl):
             [self.rank, *(r for r, a in peers.items() if a.node == addr.node)]
         )
         self.topology = _topology_of(self.rank, hints, peers)
+        node_of = self.topology.node_of
+        for r, peer in self.peers.items():
+            peer.remote = node_of[r] != node_of[self.rank]
         await self._same_node_processes(rdzv, addr.node)
         # Control channel: each rank dials the lower ranks and accepts the higher ones.
         self._dialing = self._waiting = frozenset(r for r in self.peers if r < self.rank)

@@ -106,7 +106,7 @@ class MeshData(MeshControl):
         p = self.peers[rank]
         nbytes = _nbytes(buf)
         full = p.keys.tx ^ tag  # type: ignore[union-attr]
-        await self._guard(rank, lambda: post_send(p.data, buf, full), what, extra)
+        await self._guard(rank, lambda: post_send(p.data, buf, full, p.remote), what, extra)
         self.stats.bytes_sent += nbytes
         self.stats.messages_sent += 1
 
@@ -136,7 +136,9 @@ class MeshData(MeshControl):
         header receive has room for more than arrives)."""
         p = self.peers[rank]
         full = p.keys.rx ^ tag  # type: ignore[union-attr]
-        await self._guard(rank, lambda: post_recv(p.data, buf, full), what, extra, deadline)
+        await self._guard(
+            rank, lambda: post_recv(p.data, buf, full, p.remote), what, extra, deadline
+        )
         self.stats.messages_received += 1
 
     async def send_frame(

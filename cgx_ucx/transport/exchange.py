@@ -72,10 +72,11 @@ class MeshExchange(MeshData):
                     msg = inline_message(frame, payload, keys.key)
                 else:
                     msg = np.frombuffer(frame.pack(keys.key), np.uint8)
-                ops.append((rank, sending, _as_future(post_send(p.data, msg, keys.tx ^ tag))))
+                sent_fut = _as_future(post_send(p.data, msg, keys.tx ^ tag, p.remote))
+                ops.append((rank, sending, sent_fut))
                 sent += msg.nbytes
                 buf = np.zeros(RECV_NBYTES, np.uint8)
-                recv = _as_future(post_recv(p.data, buf, keys.rx ^ tag))
+                recv = _as_future(post_recv(p.data, buf, keys.rx ^ tag, p.remote))
                 ops.append((rank, what, recv))
             except errors as exc:
                 self._cancel_ops(ops)

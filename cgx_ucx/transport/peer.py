@@ -29,6 +29,7 @@ class Peer:
         "lost",
         "process",
         "rank",
+        "remote",
         "silent",
         "status",
     )
@@ -43,6 +44,9 @@ class Peer:
         #: Its process, when it runs on this machine in our PID namespace (.liveness).
         self.process: ProcessId | None = None
         self.keys: PairKeys | None = None
+        #: On another node of the topology: its data goes over the network, whose
+        #: transports wake the progress driver by events (:meth:`.progress.Progress.submit`).
+        self.remote = False
         self.ctrl_task: asyncio.Task | None = None
         self.lost: CGXError | None = None
         self.bye = False

@@ -113,11 +113,14 @@ class Progress:
         self.worker = worker
         self.event_loop = loop  # ucxx's ProgressTask attribute name (its close hook uses it)
         self._fd = worker.epoll_file_descriptor
-        self._pending: dict[int, tuple[Any, Any, asyncio.Future, bool]] = {}
+        #: id(request) -> (request, keep, future, background, remote).
+        self._pending: dict[int, tuple[Any, Any, asyncio.Future, bool, bool]] = {}
         #: Pending requests someone is waiting on now (data frames), as opposed to the
         #: background ones (a control channel's standing receive): only these make the
         #: driver spin or poll; background requests complete on events alone.
         self._due = 0
+        #: Of those, the ones with a peer on this node (see submit's ``remote``).
+        self._due_local = 0
         self._scheduled = False
         #: Runs queued by kick() and not yet run, oldest first (the loop runs them in that
         #: order; one may still be queued after the reader ran the driver). close() cancels
@@ -165,11 +168,11 @@ class Progress:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        for _, _, fut, _ in self._pending.values():
+        for _, _, fut, _, _ in self._pending.values():
             if not fut.done():
                 fut.cancel()
         self._pending.clear()
-        self._due = 0
+        self._due = self._due_local = 0
 
     def boost(self, on: bool) -> None:
         """Progress every BOOST_PERIOD_S while on (nested calls count)."""
@@ -182,16 +185,23 @@ class Progress:
             self._scheduled = True
             self._soon.append(self.event_loop.call_soon(self._run_soon))
 
-    def submit(self, request: Any, keep: Any, background: bool = False) -> asyncio.Future:
+    def submit(
+        self, request: Any, keep: Any, background: bool = False, remote: bool = False
+    ) -> asyncio.Future:
         """An asyncio future for a UCXX request (``keep``: what must stay alive until done;
-        ``background``: nobody waits on it now, so it never makes the driver spin)."""
+        ``background``: nobody waits on it now, so it never makes the driver spin;
+        ``remote``: its peer is on another node, so where no core is spare
+        (:func:`no_spare_core`) it does not make the driver spin either: network
+        transports (TCP, InfiniBand) wake the driver by events, while node-local shared
+        memory signals none for a rendezvous transfer's steps)."""
         fut = self.event_loop.create_future()
         if request.completed:
             _settle(request, fut)
             return fut
-        self._pending[id(request)] = (request, keep, fut, background)
+        self._pending[id(request)] = (request, keep, fut, background, remote)
         if not background:
             self._due += 1
+            self._due_local += not remote
             self._active_until = self.event_loop.time() + SPIN_S
             self._spinning = True
         self.kick()
@@ -209,13 +219,14 @@ class Progress:
         self.worker.progress()
         completed = False
         if self._pending:
-            for key, (req, _, fut, background) in list(self._pending.items()):
+            for key, (req, _, fut, background, remote) in list(self._pending.items()):
                 if req.completed:
                     del self._pending[key]
                     _settle(req, fut)
                     self.completions += 1
                     if not background:
                         self._due -= 1
+                        self._due_local -= not remote
                         completed = True
         # Sleep in epoll only once the worker is armed; "busy" means events are pending.
         if not self.worker.arm():
@@ -257,6 +268,8 @@ class Progress:
 
     def _may_spin(self) -> bool:
         if self._spin_mode == "auto":
+            if not self._due_local and _crowded[0]:
+                return False  # only network transfers due: their events wake us
             return not host_oversubscribed()
         return self._spin_mode == "1"
 
@@ -449,8 +462,9 @@ def _ucxx_types() -> tuple[Any, Any, Any]:
     return Array, Tag, TagMaskFull
 
 
-def post_send(ep: Any, buf: Any, tag: int | None) -> Any:
-    """Send ``buf`` on a ucxx Endpoint; returns an awaitable (driver future or coroutine)."""
+def post_send(ep: Any, buf: Any, tag: int | None, remote: bool = False) -> Any:
+    """Send ``buf`` on a ucxx Endpoint; returns an awaitable (driver future or coroutine).
+    ``remote``: the peer is on another node (:meth:`Progress.submit`)."""
     loop = asyncio.get_running_loop()
     drv = driver(loop)
     if drv is None:
@@ -462,11 +476,11 @@ def post_send(ep: Any, buf: Any, tag: int | None) -> Any:
     bep, t = _binding(ep, tag, "msg_send")
     # Untagged sends and receives are the control channel's (ABORT, BYE, STATUS and its
     # standing receive): background, see Progress.submit.
-    return drv.submit(bep.tag_send(arr, tag_type(t)), (arr, buf), tag is None)
+    return drv.submit(bep.tag_send(arr, tag_type(t)), (arr, buf), tag is None, remote)
 
 
-def post_recv(ep: Any, buf: Any, tag: int | None) -> Any:
-    """Receive into ``buf`` on a ucxx Endpoint; returns an awaitable."""
+def post_recv(ep: Any, buf: Any, tag: int | None, remote: bool = False) -> Any:
+    """Receive into ``buf`` on a ucxx Endpoint; returns an awaitable (see post_send)."""
     loop = asyncio.get_running_loop()
     drv = driver(loop)
     if drv is None:
@@ -476,7 +490,7 @@ def post_recv(ep: Any, buf: Any, tag: int | None) -> Any:
         raise _closed_error()
     arr = array(buf)
     bep, t = _binding(ep, tag, "msg_recv")
-    return drv.submit(bep.tag_recv(arr, tag_type(t), mask_full), (arr, buf), tag is None)
+    return drv.submit(bep.tag_recv(arr, tag_type(t), mask_full), (arr, buf), tag is None, remote)
 
 
 def _closed_error() -> Exception:
