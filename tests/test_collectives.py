@@ -335,3 +335,47 @@ def test_tcp_transport_with_env_rendezvous():
     xs = [smooth_data(r, 50_000) for r in range(2)]
     err = np.abs(results[0][1] - sum(x.astype(np.float64) for x in xs))
     assert np.all(err <= _bound(xs, 4, 1024, "ring"))
+
+
+async def one_node_uncompressed(ctx):
+    from cgx_ucx.collectives import hierarchical
+
+    runs = []
+    original = hierarchical.Hierarchical.run
+
+    async def counted(self):
+        runs.append(self.spec.topology.num_nodes)
+        await original(self)
+
+    hierarchical.Hierarchical.run = counted
+    n = 3 * (4 << 20) // 4 + 12_345  # several 4 MiB pieces a shard, and a ragged end
+    async with await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG) as comm:
+        out = []
+        for dtype, op in [(np.float32, "sum"), (np.int32, "sum"), (np.float64, "avg")]:
+            x = rank_data(ctx.rank, n, dtype)
+            await comm.allreduce(x, op)
+            out.append(x)
+        compressed = smooth_data(ctx.rank, n)
+        await comm.allreduce(compressed, bits=4)  # compressed: flat, quantized as asked
+        return out, runs, compressed
+
+
+@pytest.mark.timeout(90)
+def test_one_node_uncompressed_allreduce_goes_through_shared_segments():
+    """Three ranks of one host: an uncompressed host allreduce takes the node's shared
+    segments (no cross-node stage); sums are exact and every replica bit-identical."""
+    results = run_ranks(one_node_uncompressed, 3, timeout=80)
+    n = 3 * (4 << 20) // 4 + 12_345
+    for out, runs, compressed in results:
+        assert runs == [1, 1, 1], runs  # the three uncompressed calls, on one node
+        for got, first in zip(out, results[0][0], strict=True):
+            assert got.tobytes() == first.tobytes()
+        assert compressed.tobytes() == results[0][2].tobytes()
+    out = results[0][0]
+    for got, dtype in zip(out[:2], (np.float32, np.int32), strict=True):
+        np.testing.assert_array_equal(got, sum(rank_data(r, n, dtype) for r in range(3)))
+    np.testing.assert_allclose(
+        out[2], sum(rank_data(r, n, np.float64) for r in range(3)) / 3, rtol=1e-15
+    )
+    exact = sum(smooth_data(r, n).astype(np.float64) for r in range(3))
+    assert 0 < np.max(np.abs(results[0][2] - exact)) < 0.1 * np.max(np.abs(exact))

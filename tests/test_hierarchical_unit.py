@@ -28,7 +28,7 @@ from test_collectives_unit import (
 )
 
 from cgx_ucx.collectives import Communicator
-from cgx_ucx.collectives.hierarchical import hierarchical_scheme, shard_layout
+from cgx_ucx.collectives.hierarchical import ONE_NODE_MIN_WORLD, hierarchical_scheme, shard_layout
 from cgx_ucx.collectives.plan import make_plan
 from cgx_ucx.errors import CollectiveMismatchError
 from cgx_ucx.layout import LayerSpec, Layout
@@ -107,6 +107,19 @@ def test_scheme_choice_follows_the_topology_and_the_config():
     leader = HierarchyConfig(scheme="leader")
     assert hierarchical_scheme("auto", False, t31, leader) == "leader"
     assert hierarchical_scheme("hierarchical", False, one, leader) is None
+
+
+def test_one_node_runs_uncompressed_host_buffers_through_shared_segments():
+    one, two = Topology.single_node(ONE_NODE_MIN_WORLD), Topology.single_node(2)
+    if not shm.available():
+        pytest.skip("no node-local shared memory here")
+    assert hierarchical_scheme("auto", False, one, None, raw_host=True) == "sharded"
+    assert hierarchical_scheme("auto", False, one, None) is None  # compressed, or GPU
+    assert hierarchical_scheme("auto", True, one, None, raw_host=True) is None  # one round
+    assert hierarchical_scheme("auto", False, two, None, raw_host=True) is None
+    assert hierarchical_scheme("ring", False, one, None, raw_host=True) is None
+    for off in (HierarchyConfig(scheme="flat"), HierarchyConfig(intra_shm=False)):
+        assert hierarchical_scheme("auto", False, one, off, raw_host=True) is None
 
 
 def test_shard_layouts_keep_the_bucket_grid():

@@ -156,7 +156,13 @@ def _prepare(
     # "hierarchical" asked for; flat where they do not apply.
     flat_name = "auto" if algorithm == "hierarchical" else algorithm
     algo = _algorithm(flat_name, world_size, flat.size * dtype.itemsize, oneshot_limit)
-    scheme = hierarchical_scheme(algorithm, algo == Algo.ONESHOT, topology, hierarchy)
+    scheme = hierarchical_scheme(
+        algorithm,
+        algo == Algo.ONESHOT,
+        topology,
+        hierarchy,
+        raw_host=not lay.compressed and not is_cupy(flat),
+    )
     algo = Algo.HIERARCHICAL if scheme is not None else algo
     seed = check_seed(seed)
     raw = not lay.compressed
