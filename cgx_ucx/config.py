@@ -182,7 +182,8 @@ ENV_VARIABLES: tuple[EnvVar, ...] = (
         "auto, 1 (always spin) or 0 (never)",
         "auto",
         "Whether the progress driver polls briefly after a completion instead of "
-        "sleeping; auto polls only while the host has a spare core.",
+        "sleeping; auto polls only while the host has a spare core, and, where the job "
+        "has more ranks on the host than cores, only for transfers with a node-local peer.",
         "cgx_ucx.transport.progress",
     ),
     EnvVar(

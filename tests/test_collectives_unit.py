@@ -32,6 +32,7 @@ from cgx_ucx.errors import (
     CGXTimeoutError,
     CollectiveMismatchError,
     ConfigError,
+    PeerLostError,
     ProtocolError,
     TransportError,
 )
@@ -773,3 +774,23 @@ def test_timeout_label_of_an_alltoall_names_no_numel():
     a2a = make_template(Coll.ALLTOALL, x, algorithm=Algo.DIRECT).with_(numel=0)
     assert what("alltoall", a2a) == "alltoall"
     assert what("allreduce", make_template(Coll.ALLREDUCE, x)) == "allreduce, numel 12"
+
+
+def test_a_rank_whose_communicator_closes_under_a_call_is_reported_lost():
+    """A rank whose call fails because its communicator closes (or its transport fails)
+    tells its peers it left: they raise PeerLostError naming it, not
+    CollectiveMismatchError (the ranks did not disagree on anything). A cancelled call or
+    a bad argument stays a disagreement: that rank goes on, and so does the group."""
+    from cgx_ucx.collectives.call import abort_error
+    from cgx_ucx.collectives.failure import abort_record
+
+    closed = TransportError("the communicator was closed during the collective")
+    code, culprit, reason = abort_record(None, 5, 0, closed)
+    assert (code, culprit) == (AbortCode.PEER_LOST, 0)
+    err = abort_error(0, 5, code, culprit, reason, 1)
+    assert isinstance(err, PeerLostError) and err.peer == 0, repr(err)
+    assert "rank 0 aborted collective #5" in str(err) and "closed" in str(err), str(err)
+    for exc in (asyncio.CancelledError(), ConfigError("op must be 'sum' or 'avg'")):
+        code, _, reason = abort_record(None, 5, 0, exc)
+        assert code == AbortCode.LOCAL
+        assert isinstance(abort_error(0, 5, code, 0, reason, 1), CollectiveMismatchError)

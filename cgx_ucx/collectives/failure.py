@@ -59,6 +59,11 @@ def abort_record(
         code, peer = AbortCode.PROTOCOL, rank
     elif isinstance(exc, CollectiveMismatchError):
         code, peer = AbortCode.MISMATCH, rank
+    elif type(exc) is TransportError:
+        # Its communicator closed under the call, or its transport failed: this rank is
+        # lost to its peers, not in disagreement with them (a peer reading it as a
+        # mismatch would report a closing rank as one that called something else).
+        code, peer = AbortCode.PEER_LOST, rank
     elif isinstance(exc, asyncio.CancelledError):
         code, peer = AbortCode.LOCAL, rank
         exc = TransportError("cancelled")
