@@ -210,3 +210,26 @@ def test_source_digest_is_made_once_per_module_one_thread_at_a_time(monkeypatch)
         t.join(10)
     assert sorted(made) == ["m1", "m2"] and overlaps[0] == 1
     assert sorted(got) == ["d-m1"] * 4 + ["d-m2"] * 4
+
+
+def test_settle_waits_for_the_background_import(monkeypatch):
+    """A benchmark's warm-up ends in settle(): it waits for a kernels' import still running
+    on its background thread (the warm-up call that started it ran the NumPy reference),
+    and says so when that takes longer than its timeout."""
+    import threading
+    import time
+
+    done = threading.Event()
+
+    def slow_import(seconds: float) -> threading.Thread:
+        done.clear()
+        t = threading.Thread(target=lambda: (time.sleep(seconds), done.set()), daemon=True)
+        t.start()
+        return t
+
+    monkeypatch.setattr(kernels, "_host_import", slow_import(0.2))
+    kernels.settle(10)
+    assert done.is_set()
+    monkeypatch.setattr(kernels, "_host_import", slow_import(2.0))
+    with pytest.raises(TimeoutError, match="not imported within"):
+        kernels.settle(0.1)

@@ -117,11 +117,14 @@ async def _rank_main(
                     async def op(bits: int = bits, x: np.ndarray = x) -> None:
                         await comm.allreduce(x, bits=bits, algorithm=opts["algorithm"])
 
-                x[:] = x0
-                await op()  # warm-up (first-touch of staging buffers)
-                # ...and the kernels it queued compiled: timed calls run them, not the
-                # NumPy reference (first calls are what ``bench latency --cold`` times).
-                await asyncio.to_thread(settle_kernels, 600)
+                for _ in range(2):
+                    x[:] = x0
+                    await op()  # warm-up (first-touch of staging buffers)
+                    # ...and the kernels it asked for imported and compiled (the first
+                    # round's call may only start the import): timed calls run them, not
+                    # the NumPy reference (first calls are what ``bench latency --cold``
+                    # times).
+                    await asyncio.to_thread(settle_kernels, 600)
                 x[:] = x0
                 await comm.barrier()
                 dist.barrier()
