@@ -340,3 +340,24 @@ def test_cross_stage_groups_use_disjoint_slots_and_cover_the_shard():
             assert covered == list(range(len(chunk.pieces)))
             slots = [set(range(b, b + s.plan.max_pieces)) for _, s, b in groups]
             assert sum(len(s) for s in slots) == len(set().union(*slots))
+
+
+def test_one_node_shared_segments_need_the_groups_mailboxes():
+    """Only a group whose ranks all mapped each other's shared memory at connect (it has
+    mailboxes, whose one-round limit it passes) takes the one-node shared-segment path:
+    ranks of one node in separate PID namespaces, say, cannot map each other's segments."""
+    from cgx_ucx.collectives.allreduce import prepare_allreduce
+    from cgx_ucx.collectives.local import LOCAL_ONESHOT_BYTES
+    from cgx_ucx.transport.frames import Algo
+
+    if not shm.available():
+        pytest.skip("no node-local shared memory here")
+    one = Topology.single_node(ONE_NODE_MIN_WORLD)
+    x = np.zeros(1 << 22, np.float32)
+    kw = dict(world_size=ONE_NODE_MIN_WORLD, topology=one, hierarchy=HierarchyConfig())
+    _, (_, spec) = prepare_allreduce(x, oneshot_limit=LOCAL_ONESHOT_BYTES, **kw)
+    assert spec.algorithm == Algo.HIERARCHICAL
+    _, (_, spec) = prepare_allreduce(x, **kw)  # no mailboxes
+    assert spec.algorithm == Algo.SRA
+    _, (_, spec) = prepare_allreduce(x, bits=4, oneshot_limit=LOCAL_ONESHOT_BYTES, **kw)
+    assert spec.algorithm == Algo.SRA  # compressed: quantized as asked

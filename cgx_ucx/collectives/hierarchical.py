@@ -150,8 +150,10 @@ def hierarchical_scheme(
     ``algorithm="hierarchical"`` asks for two levels even where the configured scheme is
     "flat" ("leader" stays leader), and falls back to flat where they do not apply
     (one node, nodes of one rank, a single-rank node under the sharded scheme).
-    ``raw_host``: the buffer is in host memory and uncompressed, which on one node of at
-    least :data:`ONE_NODE_MIN_WORLD` ranks "auto" runs through shared segments.
+    ``raw_host``: the buffer is in host memory and uncompressed, and every rank of the
+    group mapped every other's node-local shared memory at connect (the group has
+    mailboxes): on one node of at least :data:`ONE_NODE_MIN_WORLD` ranks "auto" then runs
+    it through shared segments.
     """
     if topology is None or topology.world_size == 1:
         return None
