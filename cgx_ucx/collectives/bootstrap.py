@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from typing import Any
+
+from ..transport.progress import usable_cores
 
 __all__ = ["all_counted", "compile_codec_in_background", "share_codec_threads"]
 
@@ -54,10 +55,7 @@ def share_codec_threads(local_ranks: int) -> None:
 
     if cpu.threads_chosen():
         return
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
+    cores = usable_cores()
     limit = cpu.num_threads()
     threads = max(1, min(cores // max(local_ranks, 1), limit))
     cpu.set_num_threads(threads)

@@ -33,7 +33,9 @@ the replicas stay bit-identical either way. The shared path sets a signature fla
 ranks configured differently raise a mismatch instead of misreading each other.
 
 Every replica on every node thus ends with the bytes the shard's owners computed from one
-cross-node allreduce: bit-identical.
+cross-node allreduce: bit-identical. Ranks of local index ``>= S`` (uneven nodes, e.g.
+the third rank of a 3 + 2 job, or every rank but the leader) only send in step 1 and
+receive in step 3.
 
 On a single node the same steps are the uncompressed allreduce of host buffers under
 ``algorithm="auto"`` from :data:`ONE_NODE_MIN_WORLD` ranks on (nothing crosses: step 2 is
@@ -41,9 +43,7 @@ skipped): every rank copies each other rank's shard into its segment once, owner
 in place and every rank copies the result out, where the flat algorithms push every byte
 through UCX's shared-memory transport (8 KiB fragments, two copies, a rendezvous per
 piece). Compressed layouts keep the flat algorithms there, so the bytes are quantized
-as asked. Ranks of local index ``>= S`` (uneven nodes, e.g.
-the third rank of a 3 + 2 job, or every rank but the leader) only send in step 1 and
-receive in step 3.
+as asked.
 
 Stages that share a phase number talk to disjoint peers (node peers in 1 and 3, other
 nodes in 2), so ranks that disagree on the algorithm still meet on phase 1 and raise

@@ -48,11 +48,13 @@ __all__ = [
     "driver",
     "host_oversubscribed",
     "install",
+    "no_spare_core",
     "post_recv",
     "post_send",
     "runnable_threads",
     "share_cores",
     "spin_mode",
+    "usable_cores",
 ]
 
 log = logging.getLogger("cgx_ucx.transport")
@@ -281,19 +283,23 @@ class Progress:
 _CORES = os.cpu_count() or 1
 
 
-_load = [-1.0, False]
+_load = [-1.0, False]  # [when read (monotonic), oversubscribed then]
 #: This process's job has more ranks on this kernel than the kernel has cores.
 _crowded = [False]
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask; the machine's where unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return _CORES
 
 
 def share_cores(local_ranks: int) -> None:
     """Note how many ranks of the job (the last communicator connected) run on this
     kernel, emulated nodes in other network namespaces included (see :func:`no_spare_core`)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = _CORES
-    _crowded[0] = local_ranks > cores
+    _crowded[0] = local_ranks > usable_cores()
 
 
 def no_spare_core() -> bool:
@@ -307,7 +313,7 @@ def no_spare_core() -> bool:
     The UCX progress driver keeps :func:`host_oversubscribed`: a rendezvous transfer over
     shared memory signals no event to wake on, and without its spin a 64 MiB
     uncompressed allreduce of those 4 ranks took twice as long (180-190 ms, against 93)."""
-    return _crowded[0] or host_oversubscribed()  # [when read (monotonic), oversubscribed then]
+    return _crowded[0] or host_oversubscribed()
 
 
 def host_oversubscribed() -> bool:
