@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -63,6 +64,9 @@ from cgx_ucx.errors import CGXError
 async def main():
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store, timeout = DirStore(sys.argv[2]), float(sys.argv[3])
+    # This process as the test sees it, also from inside a PID namespace of its own
+    # (/proc is the test's mount: /proc/self names the test's view of this process).
+    print(f"PID {os.readlink('/proc/self')}", file=sys.stderr, flush=True)
     cpu.warmup()
     cfg = CommConfig(timeout=timeout, connect_timeout=40.0)
     comm = await connect(store, rank, world, config=cfg, data_error_handling=sys.argv[5] == "1")
@@ -100,12 +104,23 @@ def _drain(stream, sink: list[str], ready: threading.Event | None) -> None:
     stream.close()
 
 
+#: Runs the victim of a "stop" fault in a PID namespace of its own, so that no other rank
+#: can look its process up, as for a rank on another machine.
+OWN_PID_NAMESPACE = ["unshare", "--pid", "--fork", "--kill-child"]
+
+
 def _cut_link_run(
-    world: int, victim: int, close: bool = True, data_error_handling: bool = True
+    world: int,
+    victim: int,
+    close: bool = True,
+    data_error_handling: bool = True,
+    fault: str = "cut",
 ) -> tuple[float, list[dict], list[float], list[str]]:
-    """Start ``world`` ranks (one namespace each), cut ``victim``'s link once all of them
-    are streaming allreduces; returns (cut time, per-rank results, exit times, stderr).
-    ``close``: each rank closes its communicator after its error (else it just exits)."""
+    """Start ``world`` ranks (one namespace each), cut ``victim``'s link (``fault``
+    "cut") or stop it with SIGSTOP ("stop") once all of them are streaming allreduces;
+    returns (fault time, per-rank results of the ranks expected to end, exit times,
+    stderr). ``close``: each rank closes its communicator after its error (else it just
+    exits). A stopped victim never ends, and gets neither result nor exit time."""
     with (
         LinkEmulator(world, "1gbit", prefix=PREFIX) as link,
         tempfile.TemporaryDirectory(prefix="cgxchaos-") as store_dir,
@@ -114,7 +129,13 @@ def _cut_link_run(
         argv.append("close" if close else "exit")
         argv.append("1" if data_error_handling else "0")
         procs = [
-            link.popen(r, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            link.popen(
+                r,
+                (OWN_PID_NAMESPACE if fault == "stop" and r == victim else []) + argv,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
             for r in range(world)
         ]
         outs: list[list[str]] = [[] for _ in procs]
@@ -134,19 +155,25 @@ def _cut_link_run(
                 pytest.fail(f"ranks did not all start streaming allreduces:\n{tails}")
             time.sleep(0.02)
         t_cut = time.time()
-        dev, ns = link.devices[victim], link.namespaces[victim]
-        subprocess.run(["ip", "-n", ns, "link", "set", dev, "down"], check=True, timeout=10)
+        ending = list(range(world))
+        if fault == "stop":
+            pid = next(int(ln.split()[1]) for ln in errs[victim] if ln.startswith("PID "))
+            os.kill(pid, signal.SIGSTOP)
+            ending.remove(victim)
+        else:
+            dev, ns = link.devices[victim], link.namespaces[victim]
+            subprocess.run(["ip", "-n", ns, "link", "set", dev, "down"], check=True, timeout=10)
         exits: list[float] = [0.0] * world
         deadline = time.monotonic() + CUT_TIMEOUT + STATUS_WAIT_S + 25.0
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            for r, p in enumerate(procs):
-                if not exits[r] and p.poll() is not None:
+        while any(procs[r].poll() is None for r in ending) and time.monotonic() < deadline:
+            for r in ending:
+                if not exits[r] and procs[r].poll() is not None:
                     exits[r] = time.time()
             time.sleep(0.01)
-        for r, p in enumerate(procs):
-            if not exits[r] and p.poll() is not None:
+        for r in ending:
+            if not exits[r] and procs[r].poll() is not None:
                 exits[r] = time.time()
-        hung = [r for r, p in enumerate(procs) if p.poll() is None]
+        hung = [r for r in ending if procs[r].poll() is None]
         # (the emulator's close kills what still runs)
     for t in threads:
         t.join(timeout=5)
@@ -155,7 +182,7 @@ def _cut_link_run(
         stderr[r][-3000:] for r in hung
     )
     results = []
-    for r in range(world):
+    for r in ending:
         lines = [ln for ln in outs[r] if ln.startswith("{")]
         assert lines, f"rank {r} printed no result (exit {procs[r].returncode}):\n{stderr[r]}"
         results.append(json.loads(lines[-1]))
@@ -220,6 +247,44 @@ def test_link_cut_between_namespaces_fails_every_rank_fast(
     # time out on that neighbour first).
     for res in results[:victim]:
         assert res["peer"] == victim or f"rank {victim}" in res["text"], res
+    # Whoever asked the victim itself tells a cut from a stop: its host acknowledged
+    # nothing since (the victim, asking its peers, says the same of theirs).
+    asked = [res for res in results if res["error"] == "CGXTimeoutError"]
+    assert any(f"is cut off: its host {netns.SUBNET}." in res["text"] for res in asked), asked
+
+
+@needs_netns
+@pytest.mark.netns
+@pytest.mark.timeout(90)
+def test_a_stopped_rank_on_another_machine_is_named_alive_at_the_host_level() -> None:
+    """Rank 2, in a namespace of its own (network and PID: no peer can look its process
+    up, as on another machine), is stopped. Its host's kernel still acknowledges what it
+    is sent, so a survivor that asked it says that it is alive at the host level but not
+    answering, not cut off, and one told by that survivor's ABORT says the same. Every
+    survivor raises within timeout + status query + slack, closes without waiting for
+    the stopped rank and exits."""
+    world, victim = 3, 2
+    t_stop, results, exits, stderr = _cut_link_run(world, victim, fault="stop")
+    load = os.getloadavg()[0]
+    for res in results:
+        r = res["rank"]
+        print(
+            f"stopped rank {victim} on another machine, rank {r}: {res['error']} after "
+            f"{res.get('t_error', float('nan')) - t_stop:.2f} s (peer {res.get('peer')}), "
+            f"close {res['close_s']:.2f} s, exit {exits[r] - res['t_closed']:.2f} s after "
+            f"close, load {load:.1f}: {res.get('text')}"
+        )
+    assert len(results) == world - 1
+    for res in results:
+        r = res["rank"]
+        assert res["error"] in ("CGXTimeoutError", "PeerLostError"), res
+        text = res["text"]
+        assert f"rank {victim} is alive at the host level but not answering: its host" in text
+        assert "acknowledges at the TCP level" in text, res
+        assert "is cut off" not in text and "its process" not in text, res
+        assert 0 < res["t_error"] - t_stop < CUT_TIMEOUT + STATUS_WAIT_S + CUT_SLACK, res
+        assert res["close_s"] < CLOSE_LIMIT, res
+        assert exits[r] - res["t_closed"] < EXIT_LIMIT, (r, stderr[r][-3000:])
 
 
 # ------------------------------------------------------------------ cold kernel cache

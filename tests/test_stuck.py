@@ -67,6 +67,28 @@ def test_a_peer_that_only_stopped_reading_is_never_released() -> None:
             s.close()
 
 
+@pytest.mark.timeout(30)
+def test_a_host_acknowledges_what_a_process_that_does_not_read_is_sent() -> None:
+    """A peer process that reads nothing (stopped, blocked) still has its kernel
+    acknowledge a message: seen within the window since the send, not once that window
+    excludes the acknowledgement, and never for a host nothing is connected to."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(srv.getsockname())
+    reader, _ = srv.accept()  # never reads
+    try:
+        time.sleep(0.6)  # the handshake's acknowledgements fall out of a 0.3 s window
+        assert stuck.host_acknowledges(["127.0.0.1"], 0.3) is None  # nothing queued
+        t0 = time.monotonic()
+        client.sendall(b"status?")
+        time.sleep(0.2)
+        assert stuck.host_acknowledges(["127.0.0.1"], time.monotonic() - t0) is True
+        assert stuck._tcp_state(client)[0] == 0  # acknowledged, not read
+        assert stuck.host_acknowledges(["192.0.2.1"], 10.0) is None
+    finally:
+        for s in (client, reader, srv):
+            s.close()
+
+
 def test_unknown_or_unrelated_hosts_select_nothing() -> None:
     """Teardown never resolves names (the network may be gone): peers' addresses are
     resolved when they connect (addresses_of), and only IP literals select sockets."""
@@ -101,6 +123,7 @@ while time.monotonic() - t0 < 20 and not found:
     found = stuck.stuck_sockets([host])
     time.sleep(0.05)
 other = stuck.stuck_sockets(["192.0.2.1"])
+acknowledges = stuck.host_acknowledges([host], 1.0)
 released = stuck.release_stuck([host])
 t1 = time.monotonic()
 try:
@@ -109,7 +132,8 @@ try:
 except OSError as exc:
     error = type(exc).__name__
 print(json.dumps({"found": found == [c.fileno()], "after_s": t1 - t0, "other": other,
-                  "released": released, "error": error, "send_s": time.monotonic() - t1}))
+                  "released": released, "error": error, "acknowledges": acknowledges,
+                  "send_s": time.monotonic() - t1}))
 """
 
 _SERVER = """
@@ -161,5 +185,6 @@ def test_a_connection_across_a_link_that_went_down_is_released() -> None:
     # for QUIET_S: seconds, not the minutes the kernel takes to give up.
     assert res["after_s"] < 15, res
     assert res["other"] == [], res
+    assert res["acknowledges"] is False, res  # data queued, nothing acknowledged
     assert res["error"] in ("BrokenPipeError", "ConnectionResetError"), res
     assert res["send_s"] < 1.0, res

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import struct
+import time
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,7 @@ from .peer import Peer
 from .progress import post_recv, post_send
 from .state import MeshState
 from .status import STATUS_WAIT_S, PeerStatus
+from .stuck import host_acknowledges
 
 __all__ = ["MAX_EARLY_ABORT_FRAMES", "MAX_NAMED_SILENT", "MAX_REASON_NBYTES", "MeshControl"]
 
@@ -236,6 +238,7 @@ class MeshControl(MeshState):
         """Send ``rank`` a STATUS_REQUEST; returns the number of the answer to it."""
         p = self.peers[rank]
         p.asks += 1
+        p.asked_at = time.monotonic()
         req = Frame(kind=Kind.STATUS_REQUEST, job=self.job, comm=self.comm_id, src=self.rank)
         await self.send_control(rank, req)
         return p.asks
@@ -244,9 +247,16 @@ class MeshControl(MeshState):
         """:meth:`peer_status`, with the state of its process where it runs on this
         machine (.liveness) when it does not answer."""
         status = await self.peer_status(rank, min(STATUS_WAIT_S, self.config.timeout))
-        proc = self.peers[rank].process
-        if not status.answered and not status.gone and proc is not None:
-            status.process, status.pid = process_state(proc) or "", proc.pid
+        p = self.peers[rank]
+        if status.answered or status.gone:
+            return status
+        if p.process is not None:
+            status.process, status.pid = process_state(p.process) or "", p.process.pid
+        if status.process in ("", "running") and p.hosts:  # does its kernel acknowledge?
+            since = time.monotonic() - p.asked_at
+            answers = host_acknowledges(p.hosts, since)
+            status.host_state = {True: "answers", False: "silent"}.get(answers, "")
+            status.host = ", ".join(sorted(p.hosts))
         return status
 
     def _behind(self, status: PeerStatus, statuses: dict[int, PeerStatus]) -> str:

@@ -18,6 +18,7 @@ class Peer:
     __slots__ = (
         "aborted",
         "answers",
+        "asked_at",
         "asks",
         "bye",
         "bye_seq",
@@ -60,6 +61,8 @@ class Peer:
         #: so answer n says that it read every control frame sent before request n.
         self.asks = 0
         self.answers = 0
+        #: time.monotonic() of the last STATUS_REQUEST sent to it.
+        self.asked_at = 0.0
         #: It did not answer a status request, ours or (named in an ABORT) another
         #: rank's: stopped, its loop blocked, or cut off. close() does not wait for its
         #: BYE; any control frame from it clears this.

@@ -113,6 +113,11 @@ class PeerStatus:
     #: "running", "stopped" or "gone"; "" when unknown. ``pid``: that process.
     process: str = ""
     pid: int = 0
+    #: Where its process is not seen stopped or gone: whether its host's kernel
+    #: acknowledged anything at the TCP level since it was asked (.stuck): "answers",
+    #: "silent", or "" when nothing tells. ``host``: that host's address.
+    host_state: str = ""
+    host: str = ""
 
     @classmethod
     def from_frame(cls, frame: Frame, what: str) -> PeerStatus:
@@ -147,10 +152,25 @@ class PeerStatus:
                 )
             if self.process == "gone":
                 return f"rank {r} is gone: its process {self.pid} exited, and {asked}"
-            if self.process == "running":
+            if self.host_state == "silent":
+                why = "the link is cut or the host is down"
+                if self.process:  # running here: only the link can be at fault
+                    why = f"its process {self.pid} is running: the link is cut"
                 return (
-                    f"rank {r} is connected but {asked}; its process {self.pid} is running "
-                    "(busy outside its event loop, or cut off)"
+                    f"rank {r} is cut off: its host {self.host} acknowledged nothing since "
+                    f"it was asked, and it {asked} ({why})"
+                )
+            if self.process == "running":
+                acks = f" and its host {self.host} acknowledges" if self.host_state else ""
+                return (
+                    f"rank {r} is connected but {asked}; its process {self.pid} is running"
+                    f"{acks} (busy outside its event loop{'' if acks else ', or cut off'})"
+                )
+            if self.host_state == "answers":
+                return (
+                    f"rank {r} is alive at the host level but not answering: its host "
+                    f"{self.host} acknowledges at the TCP level, and it {asked} (stopped, "
+                    "a debugger, or blocked outside its event loop)"
                 )
             return f"rank {r} is connected but {asked} (busy outside its event loop, or cut off)"
         if self.started_seq == 0:

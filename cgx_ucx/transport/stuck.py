@@ -34,7 +34,14 @@ import struct
 import sys
 from collections.abc import Iterable, Iterator
 
-__all__ = ["QUIET_S", "addresses_of", "release_at_exit", "release_stuck", "stuck_sockets"]
+__all__ = [
+    "QUIET_S",
+    "addresses_of",
+    "host_acknowledges",
+    "release_at_exit",
+    "release_stuck",
+    "stuck_sockets",
+]
 
 log = logging.getLogger("cgx_ucx.transport")
 
@@ -50,6 +57,9 @@ _PROBES = 3
 _LAST_ACK_RECV = 56
 # ioctl SIOCOUTQ (= TIOCOUTQ): bytes in the send queue, unsent or unacknowledged.
 _SIOCOUTQ = 0x5411
+#: The kernel counts tcpi_last_ack_recv in clock ticks (jiffies: 1-10 ms): an
+#: acknowledgement that came right after a send can read as up to a tick older.
+_TICK_MS = 20
 #: Unanswered zero-window probes that count as silence: the kernel of a peer that only
 #: stopped reading answers each probe (so at most one is ever outstanding).
 _SILENT_PROBES = 2
@@ -122,10 +132,20 @@ def _is_stuck(sock: socket.socket, quiet_s: float) -> bool:
 
 
 def _stuck(hosts: Iterable[str], quiet_s: float) -> Iterator[tuple[int, socket.socket]]:
-    """(descriptor, a duplicate of it) for each of this process's TCP connections to
-    any of ``hosts`` (IP addresses) that is stuck (:func:`_is_stuck`; Linux only). The
-    duplicate is open while the caller holds it, so acting on it can never hit another
-    socket that took a descriptor number closed meanwhile."""
+    """:func:`_connections` to ``hosts`` that are stuck (:func:`_is_stuck`)."""
+    for fd, sock in _connections(hosts):
+        try:
+            if _is_stuck(sock, quiet_s):
+                yield fd, sock
+        except OSError:
+            continue
+
+
+def _connections(hosts: Iterable[str]) -> Iterator[tuple[int, socket.socket]]:
+    """(descriptor, a duplicate of it) for each of this process's TCP connections to any
+    of ``hosts`` (IP addresses; Linux only). The duplicate is open while the caller
+    holds it, so acting on it can never hit another socket that took a descriptor
+    number closed meanwhile."""
     if not sys.platform.startswith("linux"):
         return
     targets = _addresses(hosts)
@@ -149,11 +169,31 @@ def _stuck(hosts: Iterable[str], quiet_s: float) -> Iterator[tuple[int, socket.s
                     socket.AF_INET,
                     socket.AF_INET6,
                 )
-                if not (tcp and _peer_ip(sock) in targets and _is_stuck(sock, quiet_s)):
+                if not (tcp and _peer_ip(sock) in targets):
                     continue
             except OSError:
                 continue
             yield fd, sock
+
+
+def host_acknowledges(hosts: Iterable[str], within_s: float) -> bool | None:
+    """Whether the kernel of the host at ``hosts`` answers at the TCP level: True when
+    one of this process's connections to it received an acknowledgement in the last
+    ``within_s`` seconds (the host is up and the link carries), False when data waits
+    on a connection to it and nothing was acknowledged for that long, None when no
+    connection tells (none, nothing sent, not Linux). A peer process that is stopped
+    or blocked still has its kernel acknowledge what it is sent; one behind a cut link
+    or on a host that went down does not."""
+    silent = False
+    for _, sock in _connections(hosts):
+        try:
+            queued, _, _, last_ack_ms = _tcp_state(sock)
+        except OSError:
+            continue
+        if last_ack_ms <= within_s * 1e3 + _TICK_MS:
+            return True
+        silent = silent or queued > 0
+    return False if silent else None
 
 
 def stuck_sockets(hosts: Iterable[str], quiet_s: float = QUIET_S) -> list[int]:
