@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+from cgx_ucx.transport.control import _silent_ranks
 from cgx_ucx.transport.liveness import (
     MAX_PENDING_TOLD,
     STALE_S,
@@ -102,6 +103,24 @@ def test_a_status_answer_names_the_ranks_it_waits_on():
     assert PeerStatus(0, answered=True, started_seq=5, what=what).waits_on == [1, 16]
     assert PeerStatus(0, answered=True, started_seq=5, what="allreduce").waits_on == []
     assert PeerStatus(0, answered=False, what=what).waits_on == []
+
+
+def test_ranks_that_did_not_answer_are_grouped_by_what_their_hosts_said():
+    cut = [PeerStatus(r, host_state="silent", host="10.0.0.4") for r in (6, 7)]
+    stopped = PeerStatus(3, host_state="answers", host="10.0.0.2")
+    unknown = PeerStatus(5)
+    text = "; ".join(_silent_ranks([*cut, stopped, unknown]))
+    assert text == (
+        "rank 6, rank 7 did not answer a status request within 1 s, and their host "
+        "10.0.0.4 acknowledged nothing since (cut off); rank 3 did not answer a status "
+        "request within 1 s, and its host 10.0.0.2 acknowledges at the TCP level (alive at "
+        "the host level); rank 5 did not answer a status request within 1 s"
+    )
+    two = [PeerStatus(r, host_state="answers", host=f"10.0.0.{r}") for r in (1, 2)]
+    assert _silent_ranks(two) == [
+        "rank 1, rank 2 did not answer a status request within 1 s, and their hosts "
+        "10.0.0.1, 10.0.0.2 acknowledge at the TCP level (alive at the host level)"
+    ]
 
 
 def test_an_abort_naming_silent_ranks_ends_the_wait_for_their_bye():

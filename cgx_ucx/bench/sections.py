@@ -525,11 +525,12 @@ def _ft(data: dict[str, Any]) -> list[str]:
                     fmt(m.get("stall_s")),
                     str(m.get("steps_lost", "-")),
                     fmt(m.get("rejoin_s")),
+                    str(m.get("batches", "-")),
                     fmt(m.get("loss_at_steps")),
                     "yes" if m.get("bit_identical") else "no",
                 ]
             )
-        headers = ["run", "step s", "MB/step", "stall s", "steps lost", "rejoin s"]
+        headers = ["run", "step s", "MB/step", "stall s", "steps lost", "rejoin s", "batches"]
         headers += [f"loss at step {config.get('steps', '-')}", "replicas equal"]
         out += [
             f"Per-step fault tolerance (torchft DDP + OptimizerWrapper), {groups} replica "

@@ -273,11 +273,12 @@ class MeshControl(MeshState):
             seen.add(nxt[0])
             status = statuses[nxt[0]]
             out.append(status.describe())
-        silent = [r for r, st in sorted(statuses.items()) if not (st.answered or st.gone)]
-        silent = [r for r in silent if r not in seen]
-        if silent:
-            ranks = ", ".join(f"rank {r}" for r in silent)
-            out.append(f"{ranks} did not answer a status request within {STATUS_WAIT_S:g} s")
+        silent = [
+            st
+            for r, st in sorted(statuses.items())
+            if not (st.answered or st.gone) and r not in seen
+        ]
+        out.extend(_silent_ranks(silent))
         return "".join(f"; {text}" for text in out)
 
     async def _timed_out(self, rank: int, what: str) -> CGXError:
@@ -300,3 +301,33 @@ class MeshControl(MeshState):
         else:
             self.fail(exc)  # never tear down a peer that is still there
         return exc
+
+
+def _silent_ranks(silent: list[PeerStatus]) -> list[str]:
+    """The ranks that did not answer, grouped by what their hosts' kernels said:
+    "rank 6, rank 7 did not answer a status request within 1 s, and their host
+    10.213.0.4 acknowledged nothing since (cut off)"."""
+    asked = f"did not answer a status request within {STATUS_WAIT_S:g} s"
+    told = {
+        "silent": ("acknowledged nothing since (cut off)",) * 2,
+        "answers": ("acknowledges", "acknowledge"),
+    }
+    out = []
+    for state in ("silent", "answers", ""):
+        group = [st for st in silent if st.host_state == state]
+        if not group:
+            continue
+        ranks = ", ".join(f"rank {st.rank}" for st in group)
+        if not state:
+            out.append(f"{ranks} {asked}")
+            continue
+        hosts = sorted({h for st in group for h in st.host.split(", ")})
+        whose = "its" if len(group) == 1 else "their"
+        one, several = told[state]
+        host = (
+            f"host {hosts[0]} {one}" if len(hosts) == 1 else f"hosts {', '.join(hosts)} {several}"
+        )
+        if state == "answers":
+            host += " at the TCP level (alive at the host level)"
+        out.append(f"{ranks} {asked}, and {whose} {host}")
+    return out
