@@ -52,7 +52,18 @@ def _hog(stop: Any) -> None:  # pragma: no cover - a busy loop in a child proces
             x += 1
 
 
-def _train(method: str, pg: Any, steps: int, hidden: int, seed: int) -> list[float]:
+def _usage() -> tuple[float, int]:
+    """This process's CPU seconds (every thread) and voluntary context switches (a thread
+    went to sleep: each is a wake-up the scheduler must grant again)."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime, ru.ru_nvcsw
+
+
+def _train(
+    method: str, pg: Any, steps: int, hidden: int, seed: int
+) -> tuple[list[float], tuple[float, int]]:
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -74,15 +85,20 @@ def _train(method: str, pg: Any, steps: int, hidden: int, seed: int) -> list[flo
     gen = torch.Generator().manual_seed(seed + pg.rank())
     x = torch.randn(32, 64, generator=gen)
     y = torch.randint(0, 10, (32,), generator=gen)
-    times = []
-    for _ in range(steps):
+    times: list[float] = []
+    usage = _usage()
+    for i in range(steps):
+        if i == WARMUP_STEPS:
+            usage = _usage()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = torch.nn.functional.cross_entropy(ddp(x), y)
         loss.backward()
         opt.step()
         times.append(time.perf_counter() - t0)
-    return times
+    cpu, switches = _usage()
+    counted = max(steps - WARMUP_STEPS, 1)
+    return times, ((cpu - usage[0]) / counted, round((switches - usage[1]) / counted))
 
 
 def _rank(rank: int, world: int, port: int, opts: dict[str, Any], q: Any, go: Any) -> None:
@@ -108,8 +124,10 @@ def _rank(rank: int, world: int, port: int, opts: dict[str, Any], q: Any, go: An
                 go.wait()
                 go.clear()
             dist.barrier(group=gloo)
-            times = _train(run["method"], groups[run["method"]], opts["steps"], opts["hidden"], 0)
-            q.put(("run", rank, run, float(np.median(times[WARMUP_STEPS:]))))
+            times, per_step = _train(
+                run["method"], groups[run["method"]], opts["steps"], opts["hidden"], 0
+            )
+            q.put(("run", rank, run, float(np.median(times[WARMUP_STEPS:])), per_step))
         dist.barrier(group=gloo)
         dist.destroy_process_group()
         q.put(("done", rank))
@@ -178,8 +196,10 @@ def _drive(args: argparse.Namespace, schedule: list[dict[str, Any]]) -> list[dic
                 print(f"run {msg[1]}", file=sys.stderr, flush=True)
                 go.set()
             elif msg[0] == "run":
-                _, rank, run, med = msg
-                results.append({**run, "rank": rank, "median_s": med})
+                _, rank, run, med, (cpu, switches) = msg
+                results.append(
+                    {**run, "rank": rank, "median_s": med, "cpu_s": cpu, "switches": switches}
+                )
             elif msg[0] == "done":
                 done += 1
     finally:
@@ -205,6 +225,12 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         quiet = float(np.median([v for (m, h, _), v in by.items() if m == method and not h]))
         hog = float(np.median([v for (m, h, _), v in by.items() if m == method and h]))
         out[method] = {"quiet_ms": quiet * 1e3, "hog_ms": hog * 1e3, "slowdown": hog / quiet}
+        for hogged, name in ((False, "quiet"), (True, "hog")):
+            runs = [r for r in results if r["method"] == method and r["hog"] == hogged]
+            if runs and "cpu_s" in runs[0]:
+                cpu = float(np.median([r["cpu_s"] for r in runs]))
+                out[method][f"{name}_cpu_ms"] = cpu * 1e3
+                out[method][f"{name}_switches"] = float(np.median([r["switches"] for r in runs]))
     out["cgx_vs_gloo_slowdown"] = out["cgx4"]["slowdown"] / out["gloo"]["slowdown"]
     return out
 
@@ -236,11 +262,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = _drive(args, _schedule(args.repeats))
     summary = summarize(results)
     rows = [
-        [m, round(s["quiet_ms"], 2), round(s["hog_ms"], 2), round(s["slowdown"], 2)]
+        [m, round(s["quiet_ms"], 2), round(s["hog_ms"], 2), round(s["slowdown"], 2),
+         round(s.get("quiet_cpu_ms", 0), 2), round(s.get("hog_cpu_ms", 0), 2),
+         s.get("quiet_switches"), s.get("hog_switches")]
         for m, s in summary.items()
         if isinstance(s, dict)
-    ]
-    print(format_table(["method", "quiet ms/step", f"{args.hogs} hogs ms/step", "slowdown"], rows))
+    ]  # fmt: skip
+    headers = ["method", "quiet ms/step", f"{args.hogs} hogs ms/step", "slowdown"]
+    headers += ["quiet CPU ms/step", "hogs CPU ms/step", "quiet sleeps/step", "hogs sleeps/step"]
+    print(format_table(headers, rows))
+    print("CPU: a rank's, every thread; sleeps: its threads' voluntary context switches")
     print(f"cgx slowdown / gloo slowdown: {summary['cgx_vs_gloo_slowdown']:.2f} (target <= 1.5)")
     print(f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
     record = {

@@ -373,16 +373,20 @@ def _contention(data: dict[str, Any]) -> list[str]:
     summary = data.get("summary") or {}
     args = data.get("args") or {}
     rows = [
-        [method, fmt(s.get("quiet_ms")), fmt(s.get("hog_ms")), ratio(s.get("slowdown"))]
+        [method, fmt(s.get("quiet_ms")), fmt(s.get("hog_ms")), ratio(s.get("slowdown")),
+         fmt(s.get("quiet_cpu_ms")), fmt(s.get("hog_cpu_ms")),
+         fmt(s.get("quiet_switches")), fmt(s.get("hog_switches"))]
         for method, s in summary.items()
         if isinstance(s, dict)
-    ]
+    ]  # fmt: skip
     hogs = args.get("hogs", "the")
     headers = ["method", "quiet step ms", f"step ms beside {hogs} busy loops", "slowdown"]
+    headers += ["CPU ms quiet", "CPU ms beside them", "sleeps quiet", "sleeps beside them"]
     text = (
         f"cgx's slowdown over gloo's: {ratio(summary.get('cgx_vs_gloo_slowdown'))} "
         f"({args.get('world', '-')} ranks, {args.get('steps', '-')} steps, "
-        f"{args.get('repeats', '-')} repeats in rotating order)."
+        f"{args.get('repeats', '-')} repeats in rotating order). CPU and sleeps per step "
+        "and rank: every thread's CPU time, and its threads' voluntary context switches."
     )
     return [table(headers, rows), text]
 
