@@ -106,7 +106,9 @@ class MeshData(MeshControl):
         p = self.peers[rank]
         nbytes = _nbytes(buf)
         full = p.keys.tx ^ tag  # type: ignore[union-attr]
-        await self._guard(rank, lambda: post_send(p.data, buf, full, p.remote), what, extra)
+        await self._guard(
+            rank, lambda: post_send(p.data, buf, full, p.remote, self._loop), what, extra
+        )
         self.stats.bytes_sent += nbytes
         self.stats.messages_sent += 1
 
@@ -137,7 +139,7 @@ class MeshData(MeshControl):
         p = self.peers[rank]
         full = p.keys.rx ^ tag  # type: ignore[union-attr]
         await self._guard(
-            rank, lambda: post_recv(p.data, buf, full, p.remote), what, extra, deadline
+            rank, lambda: post_recv(p.data, buf, full, p.remote, self._loop), what, extra, deadline
         )
         self.stats.messages_received += 1
 

@@ -72,11 +72,11 @@ class MeshExchange(MeshData):
                     msg = inline_message(frame, payload, keys.key)
                 else:
                     msg = np.frombuffer(frame.pack(keys.key), np.uint8)
-                sent_fut = _as_future(post_send(p.data, msg, keys.tx ^ tag, p.remote))
+                sent_fut = _as_future(post_send(p.data, msg, keys.tx ^ tag, p.remote, self._loop))
                 ops.append((rank, sending, sent_fut))
                 sent += msg.nbytes
                 buf = np.zeros(RECV_NBYTES, np.uint8)
-                recv = _as_future(post_recv(p.data, buf, keys.rx ^ tag, p.remote))
+                recv = _as_future(post_recv(p.data, buf, keys.rx ^ tag, p.remote, self._loop))
                 ops.append((rank, what, recv))
             except errors as exc:
                 self._cancel_ops(ops)
