@@ -41,6 +41,7 @@ import gc
 import logging
 import os
 import sys
+import sysconfig
 import threading
 import time
 import traceback
@@ -376,6 +377,16 @@ def _stop_progress_tasks(ucxx: Any) -> None:
 #: References to the application context that _context_holders itself accounts for:
 #: ucxx.core's, its local variable's and sys.getrefcount's argument.
 _CONTEXT_OWN_REFS = 3
+#: Whether sys.getrefcount counts every reference, as the shortcuts below assume: on the
+#: GIL builds of CPython before 3.14. 3.14 borrows references on the evaluation stack,
+#: and the free-threaded build counts some references per thread, so there a count can
+#: read lower than the holders: the context would be dropped under a holder (a SIGSEGV
+#: later). There the collector is asked instead (exact, and slower).
+_REFCOUNTS_EXACT = (
+    sys.implementation.name == "cpython"
+    and sys.version_info < (3, 14)
+    and not sysconfig.get_config_var("Py_GIL_DISABLED")
+)
 
 
 def _context_holders(ucxx: Any) -> list[str]:
@@ -385,7 +396,7 @@ def _context_holders(ucxx: Any) -> list[str]:
     ctx = getattr(core, "_ctx", None)
     if ctx is None:
         return []
-    if sys.getrefcount(ctx) <= _CONTEXT_OWN_REFS:
+    if _REFCOUNTS_EXACT and sys.getrefcount(ctx) <= _CONTEXT_OWN_REFS:
         # Nothing else refers to it, not even garbage awaiting collection: no full
         # collection and scan of the heap (each takes a good part of a second in a
         # process with a large heap on a loaded machine, inside every close()).
@@ -401,6 +412,8 @@ def _drop_context(ucxx: Any) -> bool:
     and UCP context, dropping ucxx's reference frees all three at once. False (nothing
     done) otherwise. The collection costs a good part of a second inside every close()
     on a loaded machine (ucxx.reset() collects unconditionally)."""
+    if not _REFCOUNTS_EXACT:
+        return False
     core = ucxx.core
     ctx = getattr(core, "_ctx", None)
     if ctx is None or sys.getrefcount(ctx) > _CONTEXT_OWN_REFS:
