@@ -53,7 +53,7 @@ BAD = {
                ["--link-rate", "0"], ["--link-rate", "abc"]],
     "ft": [["--groups", "1"], ["--steps", "0"], ["--kill-at", "50"], ["--ddp-rate", "abc"],
            ["--diloco-rate", "0"], ["--timeout", "0"], ["--hidden", "0"], ["--sync-every", "0"],
-           ["--threads", "0"], ["--groups", TOO_MANY]],
+           ["--threads", "0"], ["--groups", TOO_MANY], ["--methods", "nccl"], ["--methods"]],
 }  # fmt: skip
 
 #: The message says why: the limit and where it comes from.

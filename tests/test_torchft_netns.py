@@ -30,11 +30,13 @@ def test_kill_and_rejoin_across_shaped_links(tmp_path: Path) -> None:
 
     argv = [sys.executable, "-m", "cgx_ucx.bench", "ft", "--only", "ddp", "--hidden", "64"]
     argv += ["--steps", "12", "--kill-at", "4", "--timeout", "30", "--out-dir", str(tmp_path)]
+    argv += ["--methods", "gloo", "cgx4"]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=220)
     assert out.returncode in (0, 1), out.stdout[-3000:] + out.stderr[-3000:]
     record = json.loads((tmp_path / "ft.json").read_text())
     assert record["config"]["netns"] is True
     ddp = record["ddp"]
+    assert "torchft+cgx 32-bit" not in ddp and len(ddp) == 4, list(ddp)
     for label, m in ddp.items():
         assert m["ok"], (label, out.stdout[-3000:])
         assert m["same_step"] and m["bit_identical"], (label, m)

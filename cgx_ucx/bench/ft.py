@@ -69,6 +69,8 @@ DDP_RUNS = (
     ("torchft+cgx 32-bit", "cgx", 32),
     ("torchft+cgx 4-bit", "cgx", 4),
 )
+#: ``--methods`` names of the per-step runs (DDP_RUNS and REFERENCE_RUNS by backend and bits).
+METHODS = {"gloo": ("gloo", 32), "cgx32": ("cgx", 32), "cgx4": ("cgx", 4)}
 #: Uninterrupted runs: the eval loss of compression at equal batches. In a kill run the
 #: survivors go on without the killed group until it rejoins, so the batches trained by
 #: ``--steps`` depend on how many steps ran meanwhile: more for a run with faster steps,
@@ -137,6 +139,13 @@ def _parser() -> argparse.ArgumentParser:
         "one counts toward the trials line and its target)",
     )
     p.add_argument("--only", choices=("ddp", "diloco"), default=None)
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        choices=tuple(METHODS),
+        default=list(METHODS),
+        help="per-step runs to make (each with its uninterrupted reference, where it has one)",
+    )
     p.add_argument("--no-netns", action="store_true", help="loopback, unshaped (a dry run)")
     p.add_argument("--threads", type=threads_arg, default=max(1, (os.cpu_count() or 2) // 4))
     add_output_args(p)
@@ -582,8 +591,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     trials: dict[str, Any] | None = None
     if args.only in (None, "ddp"):
         with _Place(args.groups, args.ddp_rate, netns, logs, DDP_JOIN_TIMEOUT_MS).up() as place:
+            chosen = {METHODS[m] for m in args.methods}
             runs = [(label, b, bits, args.kill_at) for label, b, bits in DDP_RUNS]
             runs += [(label, b, bits, None) for label, b, bits in REFERENCE_RUNS]
+            runs = [run for run in runs if run[1:3] in chosen]
             for label, backend, bits, kill in runs:
                 print(f"ft: {label} ...", flush=True)
                 run = _run(
