@@ -794,3 +794,17 @@ def test_a_rank_whose_communicator_closes_under_a_call_is_reported_lost():
         code, _, reason = abort_record(None, 5, 0, exc)
         assert code == AbortCode.LOCAL
         assert isinstance(abort_error(0, 5, code, 0, reason, 1), CollectiveMismatchError)
+
+
+def test_a_lost_peer_is_relayed_naming_it():
+    """A rank that lost a peer tells the others, naming that peer, before its BYE: a third
+    rank that reads the BYE first must not blame the rank that left because of the loss."""
+    from cgx_ucx.collectives.call import abort_error
+    from cgx_ucx.collectives.failure import abort_record
+
+    lost = PeerLostError("rank 7 is gone (connection reset)", peer=7)
+    code, culprit, reason = abort_record(None, 5, 4, lost)
+    assert (code, culprit) == (AbortCode.PEER_LOST, 7)
+    err = abort_error(4, 5, code, culprit, reason, 0)
+    assert isinstance(err, PeerLostError) and err.peer == 7, repr(err)
+    assert "rank 4 aborted collective #5: PeerLostError: rank 7 is gone" in str(err), str(err)

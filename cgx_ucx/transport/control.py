@@ -212,6 +212,8 @@ class MeshControl(MeshState):
                 f"rank {p.rank} closed its communicator after collective #{p.bye_seq}; "
                 f"collective #{act.started_seq} ({act.what}) here needs it"
             )
+            if p.aborted:  # why it left
+                text += f"; it aborted {p.aborted}"
             self.lose(p.rank, PeerLostError(text, peer=p.rank), quiet=True)
 
     def collective_finished(self, seq: int) -> None:
