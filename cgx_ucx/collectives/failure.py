@@ -45,9 +45,7 @@ def explained(box: Mailbox | None, seq: int, rank: int, exc: BaseException) -> B
     return recorded_abort(box, seq, rank) or exc
 
 
-def abort_record(
-    box: Mailbox | None, seq: int, rank: int, exc: BaseException
-) -> AbortRecord | None:
+def abort_record(box: Mailbox | None, seq: int, rank: int, exc: BaseException) -> AbortRecord:
     """What the peers are told of rank ``rank``'s failure ``exc`` of collective ``seq``:
     (code, culprit rank, reason), also written into the mailbox ``box`` at once.
 
@@ -80,18 +78,15 @@ def abort_record(
 async def tell_peers(
     transport: Transport, box: Mailbox | None, seq: int, exc: BaseException
 ) -> None:
-    """Tell the peers that this rank failed collective ``seq`` with ``exc``, unless they
-    see it themselves (a lost peer).
+    """Tell the peers that this rank failed collective ``seq`` with ``exc``.
 
-    A failure that came as a peer's ABORT is relayed too: the origin's ABORT and this
-    rank's BYE travel on different channels, with no order between them, so a third rank
-    could read the BYE first and blame this rank; on one channel the relayed ABORT
-    precedes the BYE."""
+    A lost peer (:func:`abort_record`) and a failure that came as a peer's ABORT are told
+    too: the origin's ABORT (or the loss) and this rank's BYE reach a third rank with no
+    order between them, so it could read the BYE first and blame this rank; on one
+    channel the ABORT precedes the BYE."""
     if transport.closed or transport.world_size == 1:
         return
-    record = abort_record(box, seq, transport.rank, exc)
-    if record is not None:
-        await broadcast_abort(transport, seq, record)
+    await broadcast_abort(transport, seq, abort_record(box, seq, transport.rank, exc))
 
 
 async def broadcast_abort(transport: Transport, seq: int, record: AbortRecord) -> None:

@@ -276,7 +276,7 @@ class MailboxPath:
         rank = self._mesh.rank
         exc = explained(self.box, r.seq, rank, exc)
         record = abort_record(self.box, r.seq, rank, exc)
-        if record is not None and not self._mesh.closed and not self._loop.is_closed():
+        if not self._mesh.closed and not self._loop.is_closed():
             with contextlib.suppress(RuntimeError):
                 asyncio.run_coroutine_threadsafe(
                     broadcast_abort(self._mesh, r.seq, record), self._loop
