@@ -649,3 +649,76 @@ def test_peers_published_by_name_have_their_addresses_resolved_at_connect():
         (peer,) = hosts
         assert peer == 1 - rank
         assert "127.0.0.1" in hosts[peer], hosts
+
+
+# -- a payload's receive posted beside its header's ---------------------------------------
+
+
+async def payload_posted_with_header(ctx):
+    """Rank 1 sends two framed payloads of 1 MiB and 2 MiB; rank 0 receives each with
+    ``recv_frame_into`` into a 1 MiB buffer, the payload's receive posted before the
+    header arrived (rank 1 sends only once rank 0 said it posted)."""
+    from cgx_ucx.collectives import connect
+    from cgx_ucx.collectives.call import PH_DATA
+    from cgx_ucx.config import CommConfig
+    from cgx_ucx.transport.frames import Algo, Coll, Op, dtype_code
+
+    nbytes = 1 << 20
+    pattern = (np.arange(2 * nbytes) * 13 % 251).astype(np.uint8)
+    async with await connect(ctx.store, ctx.rank, 2, config=CommConfig(timeout=20)) as comm:
+        await comm.barrier()
+        mesh, seq = comm._mesh, comm._seq + 100
+
+        def frame(slot: int, payload: int) -> Frame:
+            return Frame(
+                kind=Kind.DATA, job=mesh.job, comm=mesh.comm_id, seq=seq, src=1,
+                phase=PH_DATA, slot=slot, collective=Coll.ALLREDUCE, reduce_op=Op.SUM,
+                dtype=dtype_code(np.uint8), bits=32, algorithm=Algo.SRA,
+                numel=payload, payload=payload, count=2,
+            )  # fmt: skip
+
+        if ctx.rank == 1:
+            await _store_key(ctx.store, "posted")
+            await mesh.send_frame(0, frame(0, nbytes), pattern[:nbytes])
+            sent = asyncio.ensure_future(mesh.send_frame(0, frame(1, 2 * nbytes), pattern))
+            await _store_key(ctx.store, "done")
+            await asyncio.wait([sent], timeout=1.0)  # rank 0 has dropped us by now
+            sent.cancel()
+            return None
+        got = np.zeros(nbytes, np.uint8)
+        first = asyncio.ensure_future(mesh.recv_frame_into(1, seq, PH_DATA, 0, got))
+        await asyncio.sleep(0.2)
+        ctx.store.set("posted", b"1")
+        head = await first
+        intact = head.payload == nbytes and got.tobytes() == pattern[:nbytes].tobytes()
+        received = comm.stats.bytes_received
+        again = np.zeros(nbytes, np.uint8)
+        try:
+            await mesh.recv_frame_into(1, seq, PH_DATA, 1, again)
+            outcome = "no error"
+        except ProtocolError as exc:
+            outcome = str(exc)
+        lost = mesh.peers[1].lost is not None
+        ctx.store.set("done", b"1")
+        return intact, received, outcome, lost
+
+
+async def _store_key(store, key, timeout=20.0):
+    """Wait for a store key without blocking the event loop (UCX progress runs on it)."""
+    end = time.monotonic() + timeout
+    while not store.check([key]):
+        assert time.monotonic() < end, f"key {key} not set"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.timeout(60)
+def test_a_payload_received_beside_its_header_is_checked_against_the_header():
+    """The payload's receive is posted before the header arrives (UCX then writes the
+    bytes straight into the buffer); a header announcing another size than the buffer
+    is a ProtocolError that drops the peer, as with a separate payload receive."""
+    results = run_ranks(payload_posted_with_header, 2, timeout=50, env=MESSAGES_ONLY)
+    intact, received, outcome, lost = results[0]
+    assert intact
+    assert received >= (1 << 20)
+    assert "announced 2097152 payload bytes, 1048576 expected" in outcome, outcome
+    assert lost
