@@ -2,7 +2,10 @@
 each replica group in its own network namespace (root and iproute2; skipped without them),
 per-step DDP only. One group is SIGKILLed mid-run and restarted; it must rejoin, every
 group must end at one step with bit-identical parameters, and cgx at 4 bits must put a
-fraction of gloo's bytes on the links."""
+fraction of gloo's bytes on the links.
+
+Marked ``slow`` (four runs, 60-100 s on 2 cores): the default run covers kill and rejoin on
+loopback (tests/test_torchft_train.py); ``-m slow`` adds the shaped links."""
 
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ needs_netns = pytest.mark.skipif(
 
 @needs_netns
 @pytest.mark.netns
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_kill_and_rejoin_across_shaped_links(tmp_path: Path) -> None:
     import subprocess
