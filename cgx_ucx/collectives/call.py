@@ -342,26 +342,6 @@ class Call:
     async def recv_payload(self, peer: int, frame: Frame, buf: Any) -> None:
         await self.transport.recv_payload(peer, frame, byte_view(buf), self.extra)
 
-    async def recv_piece(self, peer: int, phase: int, slot: int, buf: Any) -> Frame:
-        """:meth:`recv_header` (not the first of the peer's), then its payload into
-        ``buf`` of exactly the expected size: one step, the payload's receive posted
-        beside the header's (see :meth:`~cgx_ucx.transport.data.MeshData.recv_frame_into`),
-        so only where ``buf`` may take the peer's bytes before the header is checked."""
-        into = getattr(self.transport, "recv_frame_into", None)
-        if into is None:
-            frame = await self.recv_header(peer, phase, slot)
-            await self.recv_payload(peer, frame, buf)
-            return frame
-        frame = await into(peer, self.seq, phase, slot + self.slot_base, byte_view(buf), self.extra)
-        assert self.template is not None
-        if frame.signature != self.template.signature:
-            err = ProtocolError(
-                f"rank {peer} changed the signature of collective #{self.seq} mid-way"
-            )
-            self.transport.lose(peer, err)
-            raise err
-        return frame
-
     def mismatch(self, peer: int, frame: Frame) -> str:
         assert self.template is not None
         return (

@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..arrays import xp_of
-from ..errors import ProtocolError
-from ..transport.frames import Algo
+from ..transport.frames import Algo, Frame
 from .call import Call
 from .piece_codec import decode_piece, encode_piece, mix_seed, requantize_piece
 from .plan import Piece, Plan
@@ -170,19 +169,14 @@ class PieceSteps:
             self.rank,
         )
 
-    async def recv_result(self, peer: int, phase: int, slot: int, piece: Piece, count: int) -> Any:
-        """Receive a reduced piece (of ``count``) from ``peer`` into the caller's buffer,
-        the payload's receive posted beside the header's (the signatures matched before
-        any result travels); returns what arrived (the buffer's slice on the raw path, the
-        wire bytes otherwise)."""
-        raw = self.spec.raw
-        if raw:
-            buf = self.x[piece.start : piece.stop]
-        else:
-            buf = self.call.take(piece.wire_nbytes(self.dtype), self.x)
-        frame = await self.call.recv_piece(peer, phase, slot, buf)
-        if frame.count != count:
-            raise ProtocolError(f"rank {peer} announced {frame.count} pieces, {count} expected")
-        if not raw:
-            await self.codec.run(piece.numel, decode_piece, buf, piece, self.x, 0, self.dtype)
+    async def recv_result(self, peer: int, frame: Frame, piece: Piece) -> Any:
+        """Receive a reduced piece from ``peer`` into the caller's buffer; returns what
+        arrived (the buffer's slice on the raw path, the wire bytes otherwise)."""
+        if self.spec.raw:
+            dst = self.x[piece.start : piece.stop]
+            await self.call.recv_payload(peer, frame, dst)
+            return dst
+        buf = self.call.take(piece.wire_nbytes(self.dtype), self.x)
+        await self.call.recv_payload(peer, frame, buf)
+        await self.codec.run(piece.numel, decode_piece, buf, piece, self.x, 0, self.dtype)
         return buf

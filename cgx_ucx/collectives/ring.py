@@ -148,12 +148,13 @@ class Ring(PieceSteps):
             self.send(PH_DATA, s + 1, k, wire, count, staged=True)
 
     async def recv_partial(self, s: int, k: int, count: int, piece: Piece) -> Any:
-        buf = self.call.take(self.payload_nbytes(piece), self.x)
-        frame = await self.call.recv_piece(self.left, PH_DATA, s * self.P + k, buf)
+        frame = await self.call.recv_header(self.left, PH_DATA, s * self.P + k)
         if frame.count != count:
             raise ProtocolError(
                 f"rank {self.left} announced {frame.count} pieces, {count} expected"
             )
+        buf = self.call.take(self.payload_nbytes(piece), self.x)
+        await self.call.recv_payload(self.left, frame, buf)
         return buf
 
     # -- step 2 --------------------------------------------------------------------------
@@ -177,9 +178,8 @@ class Ring(PieceSteps):
         for s in range(self.steps):
             chunk = self.plan.chunks[(self.rank - s) % self.n_world]
             for k, piece in enumerate(chunk.pieces):
-                got = await self.recv_result(
-                    self.left, PH_GATHER, s * self.P + k, piece, len(chunk.pieces)
-                )
+                frame = await self.call.recv_header(self.left, PH_GATHER, s * self.P + k)
+                got = await self.recv_result(self.left, frame, piece)
                 staged = not self.spec.raw
                 if s < self.steps - 1:
                     self.send(PH_GATHER, s + 1, k, byte_view(got), len(chunk.pieces), staged)

@@ -130,39 +130,22 @@ class Sra(PieceSteps):
         await gather_or_cancel(sends)
 
     async def scatter_recv(self, p: int) -> None:
-        """The pieces of our chunk from peer ``p``, after checking its signature. Once it
-        matched, the later pieces' receives are all posted, as far as the window allows:
-        the peer sends them back to back, and a piece that arrives before its receive is
-        posted costs a copy more (see :meth:`~.call.Call.recv_piece`)."""
+        """The pieces of our chunk from peer ``p``, after checking its signature."""
         call, pieces = self.call, self.own.pieces
         try:
-            if not pieces:
-                return
-            frame = await call.recv_header(p, PH_SIG, 0, first=True)
-            if not await self.accept_signature(p, frame):
-                return
-            await gather_or_cancel(
-                [
-                    self.recv_scattered(p, k, piece, frame if k == 0 else None)
-                    for k, piece in enumerate(pieces)
-                ]
-            )
+            for k, piece in enumerate(pieces):
+                frame = await call.recv_header(p, PH_SIG, k, first=k == 0)
+                if k == 0 and not await self.accept_signature(p, frame):
+                    return
+                await self.window[p].acquire()
+                buf = call.take(self.payload_nbytes(piece), self.x)
+                await call.recv_payload(p, frame, buf)
+                self.scatter.fut(p, k).set_result(buf)
         except BaseException as exc:
             if not self.sig_futs[p].done():
                 self.sig_futs[p].set_exception(exc)
             self.scatter.fail_peer(p, exc)
             raise
-
-    async def recv_scattered(self, p: int, k: int, piece: Any, frame: Frame | None) -> None:
-        """Piece ``k`` of our chunk from ``p`` into staging, once the window has room
-        (``frame``: its header, already received)."""
-        await self.window[p].acquire()
-        buf = self.call.take(self.payload_nbytes(piece), self.x)
-        if frame is None:
-            await self.call.recv_piece(p, PH_SIG, k, buf)
-        else:
-            await self.call.recv_payload(p, frame, buf)
-        self.scatter.fut(p, k).set_result(buf)
 
     async def accept_signature(self, p: int, frame: Frame) -> bool:
         """Whether peer ``p`` called the same collective (if not, it is drained and noted)."""
@@ -279,18 +262,10 @@ class Sra(PieceSteps):
     async def gather_recv(self, p: int) -> None:
         """Peer ``p``'s reduced chunk, piece by piece, into the caller's buffer."""
         pieces = self.plan.chunks[p].pieces
-        # Raw pieces land in the caller's buffer (no staging): all receives go out at once;
-        # compressed ones take staging, so one is posted ahead of the one being decoded.
-        window = asyncio.Semaphore(max(len(pieces), 1) if self.spec.raw else 2)
-        await gather_or_cancel(
-            [self.recv_gathered(p, k, piece, len(pieces), window) for k, piece in enumerate(pieces)]
-        )
-
-    async def recv_gathered(
-        self, p: int, k: int, piece: Any, count: int, window: asyncio.Semaphore
-    ) -> None:
-        """Piece ``k`` of ``p``'s reduced chunk (of ``count``), once ``window`` has room."""
-        async with window:
-            got = await self.recv_result(p, PH_DATA, k, piece, count)
+        for k, piece in enumerate(pieces):
+            frame = await self.call.recv_header(p, PH_DATA, k)
+            if frame.count != len(pieces):
+                raise ProtocolError(f"rank {p} announced {frame.count} pieces")
+            got = await self.recv_result(p, frame, piece)
             if not self.spec.raw:
                 self.call.give(got)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -15,7 +14,6 @@ from .control import MeshControl
 from .frames import (
     FLAG_INLINE,
     FRAME_NBYTES,
-    MAX_INLINE_NBYTES,
     RECV_NBYTES,
     Frame,
     Kind,
@@ -236,50 +234,6 @@ class MeshData(MeshControl):
             return frame
         self.stats.bytes_received += FRAME_NBYTES + inline.nbytes + 1
         return frame.with_(flags=frame.flags & ~FLAG_INLINE, inline=inline)
-
-    async def recv_frame_into(
-        self,
-        rank: int,
-        seq: int,
-        phase: int,
-        slot: int,
-        buf: Any,
-        extra: Iterable[asyncio.Future] = (),
-    ) -> Frame:
-        """:meth:`recv_frame`, then :meth:`recv_payload` into ``buf``, with the payload's
-        receive posted beside the header's when the caller knows the size and may let the
-        peer's bytes land in ``buf`` before the header is checked (staging, or the
-        caller's buffer once the collective's signatures matched).
-
-        Why: the sender posts header and payload together; a payload that arrives before
-        its receive is posted is UCX's unexpected message (over TCP, every fragment copied
-        once more, into a descriptor the receive then copies from). A header that
-        announces another size fails the pair (ProtocolError), as :meth:`recv_payload` does."""
-        nbytes = _nbytes(buf)
-        if nbytes <= MAX_INLINE_NBYTES:
-            frame = await self.recv_frame(rank, seq, phase, slot, extra)
-            await self.recv_payload(rank, frame, buf, extra)
-            return frame
-        tag = structured_tag(seq, phase, slot, True)
-        what = "payload of " + describe_slot(seq, phase, slot)
-        payload = asyncio.ensure_future(self._recv_message(rank, tag, buf, what, extra, True))
-        try:
-            frame = await self.recv_frame(rank, seq, phase, slot, extra)
-            if frame.payload != nbytes or frame.inline is not None:
-                err = ProtocolError(
-                    f"rank {self.rank}: rank {rank} announced {frame.payload} payload bytes, "
-                    f"{nbytes} expected"
-                )
-                self.lose(rank, err)
-                raise copy_error(err)
-            await payload
-        finally:
-            if not payload.done():
-                payload.cancel()
-                with contextlib.suppress(BaseException):
-                    await payload
-        self.stats.bytes_received += nbytes
-        return frame
 
     async def recv_payload(
         self, rank: int, frame: Frame, buf: Any, extra: Iterable[asyncio.Future] = ()
