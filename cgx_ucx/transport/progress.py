@@ -111,9 +111,9 @@ LOAD_PERIOD_S = 0.05
 #: COALESCE_MIN_S and doubling up to COALESCE_MAX_S while such runs follow: the kernel's
 #: socket buffers gather the bytes of many segments for one run. A completion, a request
 #: with a peer on this node, or nothing due ends it, and a completion is seen at most
-#: COALESCE_MAX_S late. ``python -m cgx_ucx.bench link --world 4``, 64 MiB: 32 bits at
-#: 1 Gbit/s 233-266 -> 184-195 CPU-ms a rank a call (a 4 ms cap: 162-171), 4 bits 63-73
-#: -> 54-63 at 1 Gbit/s and 48-54 -> 43-47 at 10 Gbit/s; times unchanged or shorter.
+#: COALESCE_MAX_S late. ``python -m cgx_ucx.bench link --world 4 --rates 1gbit``,
+#: 64 MiB: 32 bits 217-249 -> 186-202 CPU-ms a rank a call (a 4 ms cap: 162-171, at the
+#: cost of seeing completions up to 4 ms late), 4 bits 64-70 -> 58-64; times unchanged.
 #: Shared-memory and loopback peers never leave the descriptor unwatched.
 COALESCE_MIN_S = 0.0005
 COALESCE_MAX_S = 0.002
