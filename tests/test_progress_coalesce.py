@@ -11,16 +11,9 @@ import threading
 import time
 
 import pytest
+from test_progress_spin_misses import _Request
 
 from cgx_ucx.transport import progress
-
-
-class _Request:
-    def __init__(self) -> None:
-        self.completed = False
-
-    def check_error(self) -> None:
-        pass
 
 
 class _LinkWorker:

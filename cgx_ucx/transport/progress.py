@@ -153,7 +153,7 @@ class Progress:
         self._misses = 0  # spin windows in a row that ended with nothing completed
         self._last_done = -1.0  # loop time of the last completion of a due request
         self._readable = False  # this run was started by the descriptor (see COALESCE_MIN_S)
-        self._hold = 0.0  # the last time the descriptor went unwatched for
+        self._hold = 0.0  # seconds of the current hold (see COALESCE_MIN_S); 0 outside one
         self._resume: asyncio.TimerHandle | None = None  # set while it is unwatched
         #: Times the driver ran (loop wake-ups spent on UCX: events, polls, spins) and
         #: requests it completed; the latency benchmark reports them per call.
