@@ -91,3 +91,31 @@ def test_where_no_core_is_spare_only_node_local_transfers_make_it_spin(driver, m
     remote.completed = True
     drv._run()
     assert drv._due == 0 and drv._due_local == 0
+
+
+def test_a_signaled_node_local_request_waits_for_events_where_no_core_is_spare(driver, monkeypatch):
+    """A node-local receive small enough to arrive in eager fragments (a frame header,
+    inline payload included) raises an event on arrival: with more ranks than cores it
+    does not make the driver spin, and it still ends a hold of the descriptor (it counts
+    as node-local); a larger node-local transfer spins as before."""
+    loop, drv = driver
+    loop.run_until_complete(asyncio.sleep(0))
+    monkeypatch.setattr(progress, "_crowded", [True])
+    header = _Request()
+    drv.submit(header, None, signaled=True)
+    assert drv._due == 1 and drv._due_local == 1 and not drv._may_spin()
+    payload = _Request()
+    drv.submit(payload, None)
+    assert drv._may_spin()
+    payload.completed = True
+    drv._run()
+    assert drv._due == 1 and not drv._may_spin()
+    header.completed = True
+    drv._run()
+    assert drv._due == drv._due_local == drv._due_silent == 0
+
+
+def test_header_receives_count_as_signaled():
+    from cgx_ucx.transport import frames
+
+    assert frames.RECV_NBYTES <= progress.SIGNALED_RECV_NBYTES
