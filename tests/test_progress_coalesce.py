@@ -104,3 +104,43 @@ def test_node_local_transfers_are_never_held_back(link):
     drv._unwatch = lambda period: (holds.append(period), unwatch(period))[1]
     _stream(loop, worker, drv, remote=False, seconds=0.1)
     assert holds == [] and drv._resume is None
+
+
+def test_a_node_local_header_due_beside_the_link_does_not_end_the_hold(link):
+    """The two-level allreduce keeps its node's frame headers due while its pieces cross
+    the network: those raise events of their own, so the link's segments are still
+    taken in by few runs; a node-local header due alone is never held back."""
+    loop, worker, drv = link
+    loop.run_until_complete(asyncio.sleep(0))
+    header = _Request()
+    header_fut = drv.submit(header, None, signaled=True)
+    runs, late = _stream(loop, worker, drv, remote=True)
+    assert runs < 2 * 0.3 / progress.COALESCE_MIN_S, runs
+    assert late < progress.COALESCE_MAX_S + 0.05, late
+    holds = []
+    unwatch = drv._unwatch
+    drv._unwatch = lambda period: (holds.append(period), unwatch(period))[1]
+    for _ in range(20):
+        worker.segment()
+        loop.run_until_complete(asyncio.sleep(1e-3))
+    assert holds == [] and drv._resume is None
+    header.completed = True
+    worker.segment()
+    loop.run_until_complete(asyncio.wait_for(header_fut, 5))
+
+
+def test_a_silent_node_local_transfer_beside_the_link_ends_the_hold(link):
+    """A node-local transfer that raises no event (larger than a frame header) is never
+    held back, network transfers due beside it or not."""
+    loop, worker, drv = link
+    loop.run_until_complete(asyncio.sleep(0))
+    payload = _Request()
+    drv.submit(payload, None)
+    holds = []
+    unwatch = drv._unwatch
+    drv._unwatch = lambda period: (holds.append(period), unwatch(period))[1]
+    _stream(loop, worker, drv, remote=True, seconds=0.1)
+    assert holds == [] and drv._resume is None
+    payload.completed = True
+    drv._run()
+    assert drv._due == 0
