@@ -167,3 +167,44 @@ def test_worker_phases_split_a_sync_into_quorum_wait_commit_and_outer(monkeypatc
         {"quorum": 0.5, "prepare": 0.2, "wait": 2.0, "commit": 0.1, "outer": 0.7}
     )
     assert phases.take() == {"outer": 0.0}
+
+
+def test_the_compute_floor_is_the_median_step_past_the_warm_up_and_sits_beside_the_target():
+    from cgx_ucx.bench.ft import FLOOR_WARMUP_STEPS, _floor_metrics, floor_line
+    from cgx_ucx.bench.sections import _ft
+
+    def steps(dts):
+        return [{"event": "step", "step": i, "dt": dt} for i, dt in enumerate(dts)]
+
+    warm = [9.0] * FLOOR_WARMUP_STEPS
+    run = {"reports": {0: steps([*warm, 0.3, 0.5]), 1: steps([*warm, 0.4]), 2: steps(warm)}}
+    floor = _floor_metrics(run)
+    assert floor == {"step_s": 0.4, "steps": 3}
+    ddp = {"torchft+gloo": {"step_s": 1.6}, "torchft+cgx 4-bit": {"step_s": 0.5}}
+    (check,) = [c for c in targets(ddp, {}, None, floor) if "3x" in c["target"]]
+    assert check["met"] is True
+    assert check["detail"] == (
+        "3.20x (the compute floor, 0.40 s a step: gloo's step 4.00x it, cgx 4-bit's 1.25x)"
+    )
+    assert "0.40 s a step (median of 3)" in floor_line(floor, 3)
+    data = {"config": {"groups": 3}, "ddp": ddp, "ddp_floor": floor}
+    assert any("Compute floor" in part for part in _ft(data))
+
+
+@pytest.mark.timeout(120)
+def test_the_local_worker_trains_without_a_process_group(tmp_path):
+    """``ft_worker --mode local``: the DDP run's steps with no Manager, no Lighthouse and no
+    process group, each reported with its time."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "cgx_ucx.bench.ft_worker", "--replica-id", "0"]
+    cmd += ["--lighthouse", "http://127.0.0.1:1", "--mode", "local", "--steps", "5"]
+    cmd += ["--hidden", "64", "--batch", "8", "--out", str(tmp_path)]
+    subprocess.run(cmd, check=True, timeout=100)
+    rows = [json.loads(line) for line in (tmp_path / "replica0.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r.get("event") == "step"]
+    assert [r["step"] for r in steps] == list(range(5))
+    assert all(r["dt"] > 0 for r in steps)
+    assert rows[-1]["final"] and rows[-1]["step"] == 5

@@ -44,7 +44,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lighthouse", required=True, help="the Lighthouse's address")
     p.add_argument("--backend", choices=("gloo", "cgx"), default="cgx")
     p.add_argument("--bits", type=int, default=4, help="cgx all_reduce bits (32: exact)")
-    p.add_argument("--mode", choices=("ddp", "diloco"), default="ddp")
+    p.add_argument(
+        "--mode",
+        choices=("ddp", "diloco", "local"),
+        default="ddp",
+        help="local: the DDP run's steps with no process group and no Manager (the "
+        "compute every group does whatever the backend)",
+    )
     p.add_argument("--steps", type=int, default=50, help="manager steps (outer syncs)")
     p.add_argument("--sync-every", type=int, default=20, help="DiLoCo inner steps per sync")
     p.add_argument(
@@ -188,6 +194,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     emit(event="ready", t=time.time())
     while args.wait_go and not os.path.exists(os.path.join(args.out, "go")):
         time.sleep(0.02)
+    if args.mode == "local":
+        try:
+            _run_local(args, model, task, emit)
+        finally:
+            report.close()
+        return 0
     pg = _process_group(args)
     store = dist.TCPStore(args.host, 0, is_master=True, wait_for_workers=False)
     diloco = args.mode == "diloco"
@@ -274,6 +286,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         manager.shutdown(wait=False)
         pg.shutdown()
     return 0
+
+
+def _run_local(args: argparse.Namespace, model: Any, task: _Task, emit: Any) -> None:
+    """The DDP run's step (batch, forward, backward, SGD step) with nothing to
+    communicate: run by every group at once, its time is the floor under any process
+    group's step on this host."""
+    import torch
+
+    loss_fn = torch.nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    for step in range(args.steps):
+        t0 = time.time()
+        opt.zero_grad()
+        x, y = task.batch(step, args.replica_id, args.batch)
+        loss_fn(model(x), y).backward()
+        opt.step()
+        emit(event="step", t=time.time(), dt=time.time() - t0, step=step, participants=1)
+    emit(event="final", final=True, t=time.time(), step=args.steps, digest=_digest(model))
 
 
 def _wait_for_groups(manager: Any, groups: int, timeout: float) -> None:

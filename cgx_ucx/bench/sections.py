@@ -498,12 +498,6 @@ def _p2p_ipc(data: dict[str, Any]) -> list[str]:
     return [table(headers, rows), note]
 
 
-DILOCO_HEADERS = [
-    "run", "MB/sync", "sync s", "comm s", "outer s", "wall s", "all groups", "eval loss",
-    "replicas equal",
-]  # fmt: skip
-
-
 #: Columns of the DiLoCo table of ``bench ft``.
 DILOCO_HEADERS = [
     "run", "MB/sync", "sync s", "comm s", "outer s", "wall s", "all groups", "eval loss",
@@ -547,6 +541,11 @@ def _ft(data: dict[str, Any]) -> list[str]:
             from .ft import trials_line
 
             out.append(trials_line(trials) + ".")
+        floor = data.get("ddp_floor")
+        if floor and floor.get("step_s"):
+            from .ft import floor_line
+
+            out.append(floor_line(floor, groups) + ".")
     diloco = data.get("diloco") or {}
     if diloco:
         rows = [
