@@ -183,7 +183,8 @@ ENV_VARIABLES: tuple[EnvVar, ...] = (
         "auto",
         "Whether the progress driver polls briefly after a completion instead of "
         "sleeping; auto polls only while the host has a spare core, and, where the job "
-        "has more ranks on the host than cores, only for transfers with a node-local peer.",
+        "has more ranks on the host than cores, only for transfers with a node-local peer "
+        "larger than a frame header (those that shared memory raises no event for).",
         "cgx_ucx.transport.progress",
     ),
     EnvVar(
