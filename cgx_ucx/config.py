@@ -174,7 +174,9 @@ ENV_VARIABLES: tuple[EnvVar, ...] = (
         "Staging memory (MiB) a communicator keeps idle once no collective has used it "
         "for a second, shared segments apart (they have a cap of the same size). While "
         "calls keep coming it reuses all the staging they need; what a burst of large "
-        "calls grew goes back to the system a second after the last one.",
+        "calls grew goes back to the system a second after the last one, or, in a loop "
+        "whose last two pauses between calls were longer, after twice the shorter of "
+        "them (at most 10 s).",
         "CommConfig.staging_mb",
     ),
     EnvVar(
