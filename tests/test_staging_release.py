@@ -142,6 +142,16 @@ def _burst(pool: BufferPool) -> None:
     pool.give(pool.take(MiB, np.empty(0, np.uint8)))
 
 
+def _paced(pauses: int, pause_s: float) -> BufferPool:
+    """A pool used in bursts ``pause_s`` apart, ``pauses`` times, then once more."""
+    pool = BufferPool(0)
+    for _ in range(pauses):
+        _burst(pool)
+        time.sleep(pause_s)
+    _burst(pool)
+    return pool
+
+
 def _idle_after(pool: BufferPool, seconds: float) -> int:
     time.sleep(seconds)
     return pool.usage()["idle"]
@@ -151,11 +161,7 @@ def test_a_loop_pausing_longer_than_the_delay_keeps_its_working_set(quick_releas
     """Bursts 0.3 s apart (three times the 0.1 s delay): from the third burst on, the
     pool waits twice the pause before releasing, and still releases once calls stop."""
     monkeypatch.setattr(staging, "GAP_MIN_S", 0.05)
-    pool = BufferPool(0)
-    for _ in range(3):
-        _burst(pool)
-        time.sleep(0.3)
-    _burst(pool)
+    pool = _paced(3, pause_s=0.3)
     assert pool.release_delay() == pytest.approx(2 * 0.3, rel=0.3)
     assert _idle_after(pool, 0.3) == size_class(MiB)  # kept across a pause like the last
     assert _idle_within(pool, 20 * quick_release) == 0
@@ -176,10 +182,6 @@ def test_a_one_off_pause_does_not_lengthen_the_delay(quick_release, monkeypatch)
 def test_the_delay_is_capped(quick_release, monkeypatch):
     monkeypatch.setattr(staging, "GAP_MIN_S", 0.05)
     monkeypatch.setattr(staging, "RELEASE_MAX_S", 0.2)
-    pool = BufferPool(0)
-    for _ in range(3):
-        _burst(pool)
-        time.sleep(0.3)
-    _burst(pool)
+    pool = _paced(3, pause_s=0.3)
     assert pool.release_delay() == 0.2
     assert _idle_within(pool, 20 * quick_release) == 0
