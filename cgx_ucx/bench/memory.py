@@ -13,7 +13,8 @@ inherits another's memory. Each rank:
 2. makes one random tensor of the size and a clone of it (the clone is reduced);
 3. runs ``--calls`` ``all_reduce`` calls of the clone, recording RSS after each;
 4. frees the clone, waits :data:`HELD_AFTER_S` (past the staging pool's release delay,
-   :data:`cgx_ucx.collectives.staging.RELEASE_AFTER_S`; every method waits alike) and
+   :data:`cgx_ucx.collectives.staging.RELEASE_AFTER_S`, which calls made back to back
+   do not lengthen; every method waits alike) and
    records the RSS it still holds, and its peak (``VmHWM``) from
    the end of step 1 on (``peak_init_mib``: the peak of step 1 itself, which holds
    one-off costs such as compiling kernels).
