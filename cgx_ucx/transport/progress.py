@@ -149,7 +149,7 @@ class Progress:
         self.event_loop = loop  # ucxx's ProgressTask attribute name (its close hook uses it)
         self._fd = worker.epoll_file_descriptor
         #: id(request) -> (request, keep, future, background, remote, silent).
-        self._pending: dict[int, tuple[Any, Any, asyncio.Future, bool, bool]] = {}
+        self._pending: dict[int, tuple[Any, Any, asyncio.Future, bool, bool, bool]] = {}
         #: Pending requests someone is waiting on now (data frames), as opposed to the
         #: background ones (a control channel's standing receive): only these make the
         #: driver spin or poll; background requests complete on events alone.
