@@ -194,16 +194,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     emit(event="ready", t=time.time())
     while args.wait_go and not os.path.exists(os.path.join(args.out, "go")):
         time.sleep(0.02)
+    inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
     if args.mode == "local":
         try:
-            _run_local(args, model, task, emit)
+            _run_local(args, model, inner, loss_fn, task, emit)
         finally:
             report.close()
         return 0
     pg = _process_group(args)
     store = dist.TCPStore(args.host, 0, is_master=True, wait_for_workers=False)
     diloco = args.mode == "diloco"
-    inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
 
     def state_dict() -> dict[str, Any]:
@@ -233,7 +234,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         checkpoint_transport=_checkpoint_transport(args.hostname, timedelta(seconds=args.timeout)),
         **({"hostname": args.hostname} if args.hostname else {}),
     )
-    loss_fn = torch.nn.CrossEntropyLoss()
     try:
         _wait_for_groups(manager, args.start_with, args.timeout)
         if diloco:
@@ -247,10 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             while not _done(args, manager):
                 t0 = time.time()
                 sent0 = _sent(pg)
-                opt.zero_grad()
-                x, y = task.batch(manager.current_step(), args.replica_id, args.batch)
-                loss_fn(net(x), y).backward()
-                opt.step()
+                _train_step(args, net, opt, loss_fn, task, manager.current_step())
                 sent1 = _sent(pg)
                 emit(
                     event="step",
@@ -288,20 +285,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _run_local(args: argparse.Namespace, model: Any, task: _Task, emit: Any) -> None:
-    """The DDP run's step (batch, forward, backward, SGD step) with nothing to
-    communicate: run by every group at once, its time is the floor under any process
-    group's step on this host."""
-    import torch
+def _train_step(
+    args: argparse.Namespace, net: Any, opt: Any, loss_fn: Any, task: _Task, step: int
+) -> None:
+    """One training step on this group's batch of ``step``."""
+    opt.zero_grad()
+    x, y = task.batch(step, args.replica_id, args.batch)
+    loss_fn(net(x), y).backward()
+    opt.step()
 
-    loss_fn = torch.nn.CrossEntropyLoss()
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+
+def _run_local(
+    args: argparse.Namespace, model: Any, opt: Any, loss_fn: Any, task: _Task, emit: Any
+) -> None:
+    """The DDP run's step (:func:`_train_step`) with nothing to communicate: run by every
+    group at once, its time is the floor under any process group's step on this host."""
     for step in range(args.steps):
         t0 = time.time()
-        opt.zero_grad()
-        x, y = task.batch(step, args.replica_id, args.batch)
-        loss_fn(model(x), y).backward()
-        opt.step()
+        _train_step(args, model, opt, loss_fn, task, step)
         emit(event="step", t=time.time(), dt=time.time() - t0, step=step, participants=1)
     emit(event="final", final=True, t=time.time(), step=args.steps, digest=_digest(model))
 

@@ -305,7 +305,7 @@ class BufferPool:
                 _releaser.schedule(self, self._last_use + self.release_delay())
 
     def release_if_idle(self) -> None:
-        """On the releaser thread: once the pool has been unused for RELEASE_AFTER_S, trim
+        """On the releaser thread: once the pool has been unused for :meth:`release_delay`, trim
         what is idle to the cap and unmap the peers' segments; earlier, wait for the rest
         of the time."""
         with self._lock:
