@@ -28,7 +28,12 @@ from test_collectives_unit import (
 )
 
 from cgx_ucx.collectives import Communicator
-from cgx_ucx.collectives.hierarchical import ONE_NODE_MIN_WORLD, hierarchical_scheme, shard_layout
+from cgx_ucx.collectives.hierarchical import (
+    ONE_NODE_MIN_WORLD,
+    Hierarchical,
+    hierarchical_scheme,
+    shard_layout,
+)
 from cgx_ucx.collectives.plan import make_plan
 from cgx_ucx.errors import CollectiveMismatchError
 from cgx_ucx.layout import LayerSpec, Layout
@@ -288,6 +293,49 @@ def test_shared_memory_path_gives_the_same_bytes_and_keeps_them_off_the_transpor
         else:  # the values: at least one shard per node peer and call
             assert sum(b * f for b, f in local.items()) >= 3 * n * 4 // max(sizes), local
     for i in range(3):
+        assert_replicas_identical([r[i] for r in runs[True]])
+        for rank in range(sum(sizes)):
+            np.testing.assert_array_equal(runs[True][rank][i], runs[False][rank][i])
+
+
+@pytest.mark.parametrize("op", ["sum", "avg"])
+@pytest.mark.parametrize("layout", ["2x2", "3+2", "3x2"])
+def test_owners_forward_the_cross_node_wire_bytes_and_peers_decode_the_same_values(
+    monkeypatch, layout, op
+):
+    """Compressed float32 shards reach node peers as the cross-node stage's wire bytes,
+    which they decode (and divide, for avg): bit for bit the values of the path that sends
+    the owner's values, on every rank, with an uncompressed layer in the layout."""
+    sizes = LAYOUTS[layout]
+    forwarded: Counter = Counter()
+    real = Hierarchical.gather_forwarded
+
+    async def counting(self, j):
+        forwarded[self.rank] += 1
+        await real(self, j)
+
+    monkeypatch.setattr(Hierarchical, "gather_forwarded", counting)
+
+    async def body(comm):
+        out = []
+        for i, lay in enumerate((Layout.uniform(40_000, 4, 128), MIXED)):
+            x = smooth_data(comm.rank + 10 * i, lay.numel)
+            await comm.allreduce(x, op, layout=lay, algorithm="hierarchical")
+            out.append(x)
+        return out
+
+    runs = {}
+    for shared in (True, False):
+        forwarded.clear()
+        results, _ = run_nodes(sizes, body, HierarchyConfig(intra_shm=shared))
+        runs[shared] = ok(results)
+        topo = Topology.from_node_sizes(sizes)
+        shards = min(sizes)
+        # Every rank hears from every owner of its node but itself, in both calls.
+        local = {r: topo.local_peers(r).index(r) for r in range(sum(sizes))}
+        due = {r: 2 * (shards - (local[r] < shards)) for r in range(sum(sizes))}
+        assert dict(forwarded) == ({r: n for r, n in due.items() if n} if shared else {})
+    for i in range(2):
         assert_replicas_identical([r[i] for r in runs[True]])
         for rank in range(sum(sizes)):
             np.testing.assert_array_equal(runs[True][rank][i], runs[False][rank][i])

@@ -20,6 +20,12 @@ into ``S`` shards on bucket boundaries (:mod:`.plan`). On a rank of local index 
    caller's buffer (divided by the world size for ``op="avg"``) and sends those bytes,
    uncompressed, to its node peers. Re-quantizing here would add a third rounding of
    values that already crossed the network quantized, to save node-local bytes only.
+   Where the shard crossed nodes compressed by SRA into a float32 buffer through shared
+   segments, the owner forwards the wire bytes of the cross-node stage instead (one
+   frame per cross-node group): every node peer decodes them into its buffer, as the
+   other nodes' replicas did, and divides as the owner did. The same values, without
+   the owner's copy of its shard into a segment: a decode writes what a copy would and
+   reads an eighth of it at 4 bits.
 
 Uncompressed node-local bytes of host buffers do not travel through UCX
 (``HierarchyConfig.intra_shm``, on by default): the sender copies them into a shared
@@ -66,11 +72,11 @@ from ..transport.frames import Algo
 from ..transport.handshake import MAX_SLOTS
 from ..transport.topology import HierarchyConfig, Topology
 from .call import PH_SIG, Call, cancel_pending, gather_or_cancel
-from .piece_codec import decode_add_piece
+from .piece_codec import decode_add_piece, decode_piece
 from .plan import Chunk, make_plan
 from .reduction import AllreduceSpec, PieceSteps
 from .ring import ring
-from .sra import sra
+from .sra import Table, keep_results, result_table, sra
 from .staging import byte_view, synchronize
 from .subgroup import GroupView, StageCall
 
@@ -210,7 +216,9 @@ CROSS_GROUPS = 4
 
 
 def sub_chunk(chunk: Chunk, ks: range) -> Chunk:
-    """The pieces ``ks`` of ``chunk`` as a chunk of their own."""
+    """The pieces ``ks`` of ``chunk`` as a chunk of their own (empty at its start)."""
+    if not len(ks):
+        return Chunk(chunk.start, chunk.start, ())
     pieces = chunk.pieces[ks.start : ks.stop]
     return Chunk(pieces[0].start, pieces[-1].stop, pieces)
 
@@ -368,6 +376,20 @@ class Hierarchical(PieceSteps):
             await cancel_pending(self.tasks)
         synchronize(self.x)
 
+    def forwards(self, j: int) -> bool:
+        """Whether owner ``j`` forwards its shard's cross-node wire bytes to its node peers
+        instead of the values (module doc, step 3): decoded into a float32 caller's
+        buffer, they are the owner's values bit for bit."""
+        spec = self.hspec
+        assert spec.topology is not None
+        return (
+            self.shm
+            and not spec.raw
+            and spec.inplace
+            and spec.topology.num_nodes > 1
+            and all(cross.algorithm == Algo.SRA for _, cross, _ in spec.groups[j])
+        )
+
     def others(self) -> list[int]:
         """Owners (local indices) whose shard this rank receives in step 3."""
         return [j for j in self.owners if j != self.local]
@@ -421,6 +443,11 @@ class Hierarchical(PieceSteps):
     async def recv_shared(self, peer: int, frame: Any, piece: Any) -> Any:
         """The bytes of ``piece`` that node peer ``peer`` described in ``frame``'s
         payload, read-only in its segment."""
+        return await self.recv_described(peer, frame, piece.numel * self.dtype.itemsize)
+
+    async def recv_described(self, peer: int, frame: Any, nbytes: int) -> Any:
+        """The ``nbytes`` that node peer ``peer`` described in ``frame``'s payload,
+        read-only in its segment."""
         real = self.node.view.real(peer)
         if frame.payload != shm.DESCRIPTOR_NBYTES:
             raise ProtocolError(
@@ -430,7 +457,6 @@ class Hierarchical(PieceSteps):
         raw = np.empty(shm.DESCRIPTOR_NBYTES, np.uint8)
         await self.node.recv_payload(peer, frame, raw)
         desc = shm.Descriptor.unpack(raw)
-        nbytes = piece.numel * self.dtype.itemsize
         if desc.nbytes != nbytes:
             raise ProtocolError(f"rank {real} described {desc.nbytes} bytes, {nbytes} expected")
         return self.call.pool.peer_view(self.call.rank, real, desc)
@@ -493,18 +519,27 @@ class Hierarchical(PieceSteps):
         if not all(ok):
             return
         chunk = self.plan.chunks[self.local]
+        groups = self.hspec.groups[self.local]
         acc = self.accumulator(chunk)
         seg = self.acc_segment
+        forward = self.forwards(self.local) and bool(self.node_peers)
+        tables = [result_table(cross, self.dtype) for _, cross, _ in groups] if forward else []
         if seg is None and self.shm and self.node_peers:
-            seg = self.segment(self.local)
+            total = sum(t for _, t in tables)
+            seg = self.call.take_segment(max(total, 1)) if forward else self.segment(self.local)
         view = GroupView(self.call.transport, self.hspec.cross_group(self.local))
         stages = []
-        for ks, cross, slot_base in self.hspec.groups[self.local]:
+        offset = 0
+        for g, (ks, cross, slot_base) in enumerate(groups):
             await self.reduce(chunk, acc, ks)
             group = StageCall(self.call, view)
             group.slot_base = slot_base
+            fwd = None
+            if forward:
+                fwd = (g, offset, *tables[g])
+                offset += tables[g][1]
             stages.append(
-                asyncio.ensure_future(self.cross_and_send(chunk, acc, ks, cross, group, seg))
+                asyncio.ensure_future(self.cross_and_send(chunk, acc, ks, cross, group, seg, fwd))
             )
             # The reduce above does not suspend when the node's pieces are already here:
             # let this group start across nodes before the next group is reduced.
@@ -518,18 +553,37 @@ class Hierarchical(PieceSteps):
             )
 
     async def cross_and_send(
-        self, chunk: Chunk, acc: Any, ks: range, cross: AllreduceSpec, group: StageCall, seg: Any
+        self,
+        chunk: Chunk,
+        acc: Any,
+        ks: range,
+        cross: AllreduceSpec,
+        group: StageCall,
+        seg: Any,
+        fwd: tuple[int, int, Table, int] | None,
     ) -> None:
-        """Pieces ``ks`` of our shard (reduced in the node) across nodes, then to the node."""
-        sub = sub_chunk(chunk, ks) if len(ks) else Chunk(chunk.start, chunk.start, ())
+        """Pieces ``ks`` of our shard (reduced in the node) across nodes, then to the node.
+
+        ``fwd`` = (group index, offset in ``seg``, :func:`~.sra.result_table`, total) when the
+        node peers get the cross-node stage's wire bytes (:meth:`forwards`)."""
+        sub = sub_chunk(chunk, ks)
         a = acc[sub.start - chunk.start : sub.stop - chunk.start]
         if group.world_size == 1:
             pass  # one node: nothing crosses
         elif cross.algorithm == Algo.RING:
             await ring(group, a, cross)
         else:
-            await sra(group, a, cross)
+            await sra(group, a, cross, None if fwd is None else keep_results(seg.array, *fwd[1:3]))
         self.finish(sub, a)
+        if fwd is not None:
+            g, offset, _, total = fwd
+            payload = seg.describe(offset, total).pack()
+            count = len(self.hspec.groups[self.local])
+            self.tasks.extend(
+                asyncio.ensure_future(self.node.send(p, PH_HIER_GATHER, g, payload, count))
+                for p in self.node_peers
+            )
+            return
         for k in ks:
             piece = chunk.pieces[k]
             if seg is not None and seg is self.acc_segment:
@@ -577,6 +631,9 @@ class Hierarchical(PieceSteps):
     # -- step 3: node-local allgather ----------------------------------------------------
     async def gather_recv(self, j: int) -> None:
         """Owner ``j``'s final shard, piece by piece, into the caller's buffer."""
+        if self.forwards(j):
+            await self.gather_forwarded(j)
+            return
         pieces = self.plan.chunks[j].pieces
         for k, piece in enumerate(pieces):
             frame = await self.node.recv_header(j, PH_HIER_GATHER, k)
@@ -589,3 +646,29 @@ class Hierarchical(PieceSteps):
                 await self.node.recv_payload(j, frame, self.x[piece.start : piece.stop])
         if self.shm:
             await self.node.send(j, PH_HIER_DONE, 0, None, 1)
+
+    async def gather_forwarded(self, j: int) -> None:
+        """Owner ``j``'s shard from the wire bytes of its cross-node stage, group by group
+        (:meth:`forwards`): decoded into the caller's buffer, divided as the owner did."""
+        chunk = self.plan.chunks[j]
+        groups = self.hspec.groups[j]
+        for g, (ks, cross, _) in enumerate(groups):
+            frame = await self.node.recv_header(j, PH_HIER_GATHER, g)
+            if frame.count != len(groups):
+                raise ProtocolError(
+                    f"rank {self.node.view.real(j)} announced {frame.count} groups, "
+                    f"{len(groups)} expected"
+                )
+            table, total = result_table(cross, self.dtype)
+            src = await self.recv_described(j, frame, total)
+            sub = sub_chunk(chunk, ks)
+            xs = self.x[sub.start : sub.stop]
+            for c, part in enumerate(cross.plan.chunks):
+                for k, piece in enumerate(part.pieces):
+                    pos, n = table[(c, k)]
+                    await self.codec.run(
+                        piece.numel, decode_piece, src[pos : pos + n], piece, xs, 0, self.dtype
+                    )
+            if self.spec.avg:
+                self.xp.divide(xs, self.n_world, out=xs)
+        await self.node.send(j, PH_HIER_DONE, 0, None, 1)

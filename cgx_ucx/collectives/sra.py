@@ -29,7 +29,10 @@ so the next piece reuses it.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from ..errors import ProtocolError
 from ..transport.frames import Frame
@@ -38,7 +41,15 @@ from .piece_codec import decode_add_piece, reduce_requantize_piece
 from .reduction import AllreduceSpec, PieceSteps
 from .staging import synchronize
 
-__all__ = ["RECV_WINDOW_BYTES", "Sra", "sra"]
+__all__ = [
+    "RECV_WINDOW_BYTES",
+    "ResultHook",
+    "Sra",
+    "Table",
+    "keep_results",
+    "result_table",
+    "sra",
+]
 
 #: Received bytes a rank holds per peer ahead of reducing them (at least two pieces, so
 #: receiving piece k+1 still overlaps reducing piece k). Without a bound a peer's whole
@@ -47,9 +58,50 @@ __all__ = ["RECV_WINDOW_BYTES", "Sra", "sra"]
 RECV_WINDOW_BYTES = 16 << 20
 
 
-async def sra(call: Call, x: Any, spec: AllreduceSpec) -> None:
-    """Scatter-reduce-allgather allreduce of the flat array ``x``, in place."""
-    await Sra(call, x, spec).run()
+#: ``on_result(c, k, wire)``: piece ``k`` of rank ``c``'s chunk reduced, as the bytes every
+#: rank decodes it from (compressed layouts only); called before those bytes are reused.
+ResultHook = Callable[[int, int, Any], None]
+
+
+#: ``{(chunk, piece): (offset, nbytes)}``: where each reduced piece's wire bytes lie when
+#: kept back to back (:func:`result_table`).
+Table = dict[tuple[int, int], tuple[int, int]]
+
+
+def result_table(spec: AllreduceSpec, dtype: np.dtype) -> tuple[Table, int]:
+    """Where the wire bytes of every reduced piece of an SRA of ``spec`` lie when kept back
+    to back (chunks in rank order, each chunk's pieces in order), and their total."""
+    table: Table = {}
+    pos = 0
+    for c, chunk in enumerate(spec.plan.chunks):
+        for k, piece in enumerate(chunk.pieces):
+            n = piece.wire_nbytes(dtype)
+            table[(c, k)] = (pos, n)
+            pos += n
+    return table, pos
+
+
+def keep_results(out: Any, offset: int, table: Table) -> ResultHook:
+    """An ``on_result`` hook that copies each reduced piece's wire bytes into the byte
+    array ``out`` (from ``offset``) where ``table`` puts them."""
+
+    def keep(c: int, k: int, wire: Any) -> None:
+        pos, n = table[(c, k)]
+        if wire.nbytes != n:
+            raise ProtocolError(f"piece {k} of chunk {c} has {wire.nbytes} wire bytes, {n} due")
+        out[offset + pos : offset + pos + n] = wire
+
+    return keep
+
+
+async def sra(call: Call, x: Any, spec: AllreduceSpec, on_result: ResultHook | None = None) -> None:
+    """Scatter-reduce-allgather allreduce of the flat array ``x``, in place.
+
+    ``on_result`` sees every reduced piece's wire bytes (this rank's and every peer's) on
+    a compressed layout: the two-level allreduce forwards them to node peers, which decode
+    them into their buffers as every replica does.
+    """
+    await Sra(call, x, spec, on_result).run()
 
 
 def _consumed(f: asyncio.Future) -> Any:
@@ -78,9 +130,12 @@ class _Streams:
 class Sra(PieceSteps):
     """One SRA allreduce on this rank: its tasks share the state kept here."""
 
-    def __init__(self, call: Call, x: Any, spec: AllreduceSpec) -> None:
+    def __init__(
+        self, call: Call, x: Any, spec: AllreduceSpec, on_result: ResultHook | None = None
+    ) -> None:
         super().__init__(call, x, spec)
         r, n_world = self.rank, self.n_world
+        self.on_result = None if spec.raw else on_result
         self.own = self.plan.chunks[r]
         #: Peers in send order (r+1, r+2, ...), so no rank is everyone's first target.
         self.peers = [(r + i) % n_world for i in range(1, n_world)]
@@ -193,6 +248,8 @@ class Sra(PieceSteps):
             else:
                 payload = await self.reduce_requantize(acc, k, piece)
             synchronize(payload)
+            if self.on_result is not None:
+                self.on_result(self.rank, k, payload)
             sends = [
                 asyncio.ensure_future(call.send(p, PH_DATA, k, payload, count)) for p in self.peers
             ]
@@ -267,5 +324,7 @@ class Sra(PieceSteps):
             if frame.count != len(pieces):
                 raise ProtocolError(f"rank {p} announced {frame.count} pieces")
             got = await self.recv_result(p, frame, piece)
+            if self.on_result is not None:
+                self.on_result(p, k, got)
             if not self.spec.raw:
                 self.call.give(got)

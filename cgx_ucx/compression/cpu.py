@@ -673,11 +673,13 @@ def warmup(dtypes: tuple[Any, ...] = (np.float32,)) -> None:
             encode_into(x, hdr, 0, buf)
             decode_into(buf, hdr, np.empty(n, dtype=dt))
             decode_add_into(buf, hdr, np.zeros(n, np.float32))
-            # A peer's bytes mapped read-only (node-local mailboxes) are kernels' arguments
-            # of another type.
+            # A peer's bytes mapped read-only (node-local mailboxes, the wire bytes a
+            # two-level owner forwards) are kernels' arguments of another type.
             frozen = buf.copy()
             frozen.flags.writeable = False
             decode_add_into(frozen, hdr, np.zeros(n, np.float32))
+            if dt == np.float32:
+                decode_into(frozen, hdr, np.empty(n, dtype=dt))
             encode_decode_into(np.zeros(n, np.float32), acc_hdr, 0, buf, np.empty(n, dtype=dt))
             acc_buf = empty_bytes(acc_hdr.nbytes)
             encode_into(np.zeros(n, np.float32), acc_hdr, 0, acc_buf)
