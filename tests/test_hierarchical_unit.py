@@ -27,7 +27,7 @@ from test_collectives_unit import (
     smooth_data,
 )
 
-from cgx_ucx.collectives import Communicator
+from cgx_ucx.collectives import Communicator, hierarchical
 from cgx_ucx.collectives.hierarchical import (
     ONE_NODE_MIN_WORLD,
     Hierarchical,
@@ -263,10 +263,13 @@ def test_leader_scheme_crosses_nodes_between_leaders_only(layout):
 
 @pytest.mark.parametrize("bits", [32, 4])
 @pytest.mark.parametrize("layout", ["2x2", "3+2"])
-def test_shared_memory_path_gives_the_same_bytes_and_keeps_them_off_the_transport(layout, bits):
+def test_shared_memory_path_gives_the_same_bytes_and_keeps_them_off_the_transport(
+    monkeypatch, layout, bits
+):
     """Node-local host bytes go through shared segments (only descriptors travel), and the
-    result is bit for bit the one of the UCX path, on every rank, over several calls (the
-    segments are reused)."""
+    result is bit for bit the one of the UCX path cut into the same pieces, on every rank,
+    over several calls (the segments are reused)."""
+    monkeypatch.setattr(hierarchical, "SHARED_PIECE_FACTOR", 1)
     sizes = LAYOUTS[layout]
     n = 40_000
 
@@ -305,7 +308,9 @@ def test_owners_forward_the_cross_node_wire_bytes_and_peers_decode_the_same_valu
 ):
     """Compressed float32 shards reach node peers as the cross-node stage's wire bytes,
     which they decode (and divide, for avg): bit for bit the values of the path that sends
-    the owner's values, on every rank, with an uncompressed layer in the layout."""
+    the owner's values (cut into the same pieces), on every rank, with an uncompressed
+    layer in the layout."""
+    monkeypatch.setattr(hierarchical, "SHARED_PIECE_FACTOR", 1)
     sizes = LAYOUTS[layout]
     forwarded: Counter = Counter()
     real = Hierarchical.gather_forwarded
