@@ -560,7 +560,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="allreduce sizes, MiB or with a unit (default 16 64 256)")  # fmt: skip
     p.add_argument("--bits", nargs="+", type=bits_arg, default=[32, 4])
     p.add_argument("--bucket-size", type=count_arg(1), default=1024)
-    p.add_argument("--min-iters", type=count_arg(1), default=3, help="timed iterations at least")
+    # One slow call of three moved a median by a third: as many as --max-iters by default.
+    p.add_argument("--min-iters", type=count_arg(1), default=None,
+                   help="timed iterations at least (default: --max-iters)")  # fmt: skip
     p.add_argument("--max-iters", type=count_arg(1), default=10, help="timed iterations at most")
     p.add_argument(
         "--budget", type=nonnegative_number, default=2.0, help="seconds per (size, method)"
@@ -575,6 +577,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Usage errors for what the option types alone cannot see."""
+    if args.min_iters is None:
+        args.min_iters = args.max_iters
     check_iters(parser, args)
     ranks = args.nodes * args.ranks_per_node
     if ranks > MAX_LOCAL_RANKS:
