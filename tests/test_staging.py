@@ -13,6 +13,7 @@ import pytest
 from test_collectives_unit import FakeNetwork, _as_transport
 
 from cgx_ucx.collectives import Communicator, staging
+from cgx_ucx.collectives.plan import flat_piece_bytes
 from cgx_ucx.collectives.staging import (
     DEFAULT_CAP_BYTES,
     FINE_CLASS_BYTES,
@@ -239,6 +240,9 @@ def test_a_large_allreduce_stages_the_pieces_in_flight_not_the_buffer(bits, algo
     bound = RECV_WINDOW_BYTES + 16 * MiB if bits == 32 else chunk // 4
     if algorithm == "ring":  # its accumulators: one per step raw, two alternating encoded
         bound += (world - 1 if bits == 32 else 2) * size_class(chunk)
+        # How many pieces are in flight at the peak depends on the order the ranks' tasks
+        # run in: 95.5 MiB for 3 ranks at 32 bits here, 99.25 on a loaded machine.
+        bound += size_class(flat_piece_bytes(chunk))
     assert peak <= bound, (peak / MiB, bound / MiB)
 
 
