@@ -70,7 +70,12 @@ Table = dict[tuple[int, int], tuple[int, int]]
 
 def result_table(spec: AllreduceSpec, dtype: np.dtype) -> tuple[Table, int]:
     """Where the wire bytes of every reduced piece of an SRA of ``spec`` lie when kept back
-    to back (chunks in rank order, each chunk's pieces in order), and their total."""
+    to back (chunks in rank order, each chunk's pieces in order), and their total; made
+    once per spec (``spec.memo``), not at every call. Read-only."""
+    key = ("result_table", dtype)
+    known = spec.memo.get(key)
+    if known is not None:
+        return known
     table: Table = {}
     pos = 0
     for c, chunk in enumerate(spec.plan.chunks):
@@ -78,6 +83,7 @@ def result_table(spec: AllreduceSpec, dtype: np.dtype) -> tuple[Table, int]:
             n = piece.wire_nbytes(dtype)
             table[(c, k)] = (pos, n)
             pos += n
+    spec.memo[key] = (table, pos)
     return table, pos
 
 
