@@ -303,7 +303,8 @@ def _run_local(
     for step in range(args.steps):
         t0 = time.time()
         _train_step(args, model, opt, loss_fn, task, step)
-        emit(event="step", t=time.time(), dt=time.time() - t0, step=step, participants=1)
+        t1 = time.time()
+        emit(event="step", t=t1, dt=t1 - t0, step=step, participants=1)
     emit(event="final", final=True, t=time.time(), step=args.steps, digest=_digest(model))
 
 
