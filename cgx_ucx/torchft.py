@@ -42,7 +42,10 @@ Semantics:
    :meth:`register` raises :class:`~cgx_ucx.errors.ConfigError` saying so.
 
 5. :class:`DistributedDataParallel` is torchft's, with a comm hook that also works once
-   the Manager has recorded an error (torchft 0.2.0's fails inside backward then).
+   the Manager has recorded an error (torchft 0.2.0's fails inside backward then), and
+   that lets this group average as it reduces when every replica of the quorum
+   participates (:meth:`ProcessGroupCGX.summing_as_average`), instead of the Manager
+   dividing every bucket afterwards.
 6. :class:`PseudoGradientFeedback` adds error feedback to a DiLoCo's compressed
    pseudo-gradients: each parameter's quantization error is carried into its next sync.
 
@@ -196,7 +199,23 @@ class ProcessGroupCGX(ProcessGroupWrapper):
             config = self._compression if self._compression is not None else compression_from_env()
         return config if config.enabled else None
 
+    @contextlib.contextmanager
+    def summing_as_average(self) -> Iterator[None]:
+        """Run the SUM all_reduce calls this thread makes inside the block as AVG: the
+        group divides as it reduces (on compressed layouts, before the reduced values are
+        requantized), instead of a separate pass over the result. For a caller that would
+        divide the sum by the group's size itself, as torchft's ``Manager.allreduce`` does
+        when every member of the quorum participates (see :class:`DistributedDataParallel`)."""
+        outer = getattr(self._local, "average", False)
+        self._local.average = True
+        try:
+            yield
+        finally:
+            self._local.average = outer
+
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        if getattr(self._local, "average", False):
+            opts = _as_average(opts)
         override = getattr(self._local, "override", None)
         if override is None:
             return super().allreduce(tensors, opts)
@@ -375,13 +394,14 @@ class DistributedDataParallel(_FtDDP):
       its future, which then never completed: DDP's backward waited on it forever. Here
       the Manager's error handling completes the bucket's future with the bucket as it is.
 
-    Either way the step ends, and ``should_commit`` discards a failed one. Same
-    constructor."""
+    Either way the step ends, and ``should_commit`` discards a failed one. On a
+    :class:`ProcessGroupCGX` whose quorum is all participating, each bucket is averaged
+    by the group as it reduces (see :func:`_average`). Same constructor."""
 
     # Unannotated: DDP checks the annotations, and this module's are strings.
     @staticmethod
     def _comm_hook(state, bucket):  # type: ignore[no-untyped-def]
-        work = state.allreduce(bucket.buffer())
+        work = _average(state, bucket.buffer())
         chained = _managed_future(work)
         if chained is not None:
             return chained
@@ -390,6 +410,49 @@ class DistributedDataParallel(_FtDDP):
         fut = work.get_future()
         inner = getattr(fut, "_fut", None)  # a managed future: hand out the real one
         return inner if inner is not None else fut
+
+
+def _as_average(opts: Any) -> Any:
+    """``opts`` (AllreduceOptions or a ReduceOp) with a SUM turned into AVG."""
+    from torch.distributed import AllreduceOptions, ReduceOp
+
+    if isinstance(opts, AllreduceOptions):
+        if opts.reduceOp != ReduceOp.SUM:
+            return opts
+        avg = AllreduceOptions()
+        avg.reduceOp = ReduceOp.AVG
+        avg.timeout = opts.timeout
+        avg.asyncOp = opts.asyncOp
+        return avg
+    return ReduceOp.AVG if opts == ReduceOp.SUM else opts
+
+
+def _average(manager: Any, tensor: torch.Tensor) -> Any:
+    """``manager.allreduce(tensor)`` (the average over the step's participants). Where
+    every member of the quorum participates, on a :class:`ProcessGroupCGX`, the group
+    averages as it reduces, and the Manager's division of the result (one more pass over
+    every bucket, on the group's completion thread) goes: the same average, each replica
+    bit-identical. Otherwise (a replica recovering, an error recorded, another group)
+    the Manager's path as it is."""
+    from torch.distributed import ReduceOp
+
+    pg = getattr(manager, "_pg", None)
+    if (
+        not isinstance(pg, ProcessGroupCGX)
+        or not tensor.is_floating_point()
+        or manager.errored() is not None
+    ):
+        return manager.allreduce(tensor)
+    manager.wait_quorum()  # as manager.allreduce does first: the step's participants
+    group = pg.group
+    if (
+        group is None
+        or not manager.is_participating()
+        or manager.num_participants() != group.size()
+    ):
+        return manager.allreduce(tensor)
+    with pg.summing_as_average():
+        return manager.allreduce(tensor, reduce_op=ReduceOp.SUM)
 
 
 def _managed_future(work: Any) -> torch.futures.Future | None:

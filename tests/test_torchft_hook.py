@@ -109,3 +109,101 @@ def test_ddp_hook_returns_before_the_all_reduce_and_runs_the_managers_callbacks_
         assert torch.equal(fut.wait(), torch.full((4,), 3.0)) and not manager.errors
         assert work.wait() is True  # a later wait: the same chain, the average not redone
         assert torch.equal(tensor, torch.full((4,), 3.0))
+
+
+@pytest.mark.parametrize(
+    ("participants", "participating", "dtype", "group_op", "manager_op"),
+    [
+        (2, True, torch.float32, "AVG", "SUM"),  # all participate: the group averages
+        (1, True, torch.float32, "SUM", "AVG"),  # a replica recovering: the Manager divides
+        (2, False, torch.float32, "SUM", "AVG"),  # this replica recovering
+        (2, True, torch.int64, "SUM", "AVG"),  # not a float bucket: the Manager's path
+    ],
+)
+def test_ddp_hook_lets_the_cgx_group_average_where_the_whole_quorum_participates(
+    monkeypatch, participants, participating, dtype, group_op, manager_op
+):
+    """Manager.allreduce asks its group for a SUM and divides every bucket afterwards;
+    on a ProcessGroupCGX whose quorum is all participating, the hook asks for the SUM
+    inside summing_as_average(), so the group runs an AVG and the Manager divides
+    nothing. The group's size is the quorum's (the fake one here: 2)."""
+    from torch.distributed import AllreduceOptions, ReduceOp
+
+    from cgx_ucx import torchft as ft
+
+    def name(op) -> str:
+        return next(n for n in ("SUM", "AVG") if op == getattr(ReduceOp, n))
+
+    seen: dict[str, str] = {}
+
+    class Group:  # the connected cgx group of the quorum
+        def size(self):
+            return 2
+
+        def allreduce(self, tensors, opts):
+            seen["group"] = name(opts.reduceOp)
+            return _finished_work(tensors[0])
+
+    pg = ft.ProcessGroupCGX()
+    pg._pg = Group()
+    monkeypatch.setattr(ft.ProcessGroupCGX, "group", property(lambda self: self._pg))
+
+    class Manager:
+        _pg = pg
+
+        def errored(self):
+            return None
+
+        def wait_quorum(self):
+            seen["quorum"] = "waited"
+
+        def is_participating(self):
+            return participating
+
+        def num_participants(self):
+            return participants
+
+        def allreduce(self, tensor, reduce_op=ReduceOp.AVG):
+            seen["manager"] = name(reduce_op)
+            opts = AllreduceOptions()
+            opts.reduceOp = ReduceOp.SUM  # what torchft asks of its group for AVG or SUM
+            return pg.allreduce([tensor], opts)
+
+    class Bucket:
+        def buffer(self):
+            return torch.ones(4, dtype=dtype)
+
+    ft.DistributedDataParallel._comm_hook(Manager(), Bucket())
+    assert (seen["group"], seen["manager"]) == (group_op, manager_op)
+    assert not getattr(pg._local, "average", False)  # the flag ends with the call
+
+
+def _finished_work(tensor: torch.Tensor):
+    class Work:
+        def wait(self, timeout=None):
+            return True
+
+        def get_future(self):
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_result([tensor])
+            return fut
+
+    return Work()
+
+
+def test_summing_as_average_turns_only_a_sum_into_an_average():
+    import datetime
+
+    from torch.distributed import AllreduceOptions, ReduceOp
+
+    from cgx_ucx.torchft import _as_average
+
+    opts = AllreduceOptions()
+    opts.reduceOp = ReduceOp.SUM
+    opts.timeout = datetime.timedelta(seconds=7)
+    avg = _as_average(opts)
+    assert avg.reduceOp == ReduceOp.AVG and avg.timeout == opts.timeout
+    opts.reduceOp = ReduceOp.MAX
+    assert _as_average(opts) is opts
+    assert _as_average(ReduceOp.SUM) == ReduceOp.AVG
+    assert _as_average(ReduceOp.MIN) == ReduceOp.MIN
