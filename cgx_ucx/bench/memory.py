@@ -15,7 +15,9 @@ inherits another's memory. Each rank:
 4. frees the clone, waits :data:`HELD_AFTER_S` (past the staging pool's release delay,
    :data:`cgx_ucx.collectives.staging.RELEASE_AFTER_S`, which calls made back to back
    do not lengthen; every method waits alike) and
-   records the RSS it still holds, and its peak (``VmHWM``) from
+   records the RSS it still holds (in parts too: private, pages of mapped files such as
+   shared libraries, which the processes mapping them share, and shared memory), and
+   its peak (``VmHWM``) from
    the end of step 1 on (``peak_init_mib``: the peak of step 1 itself, which holds
    one-off costs such as compiling kernels).
 
@@ -150,6 +152,11 @@ def _worker(method: str, size_mib: float, calls: int) -> int:
     time.sleep(HELD_AFTER_S)
     staging = _staging(comm)
     rec["rss_held_mib"] = _status_mib("VmRSS")
+    # RSS in parts: private memory, and pages of mapped files (shared libraries: what
+    # every process that maps them shares, resident once per host).
+    rec["rss_held_anon_mib"] = _status_mib("RssAnon")
+    rec["rss_held_file_mib"] = _status_mib("RssFile")
+    rec["rss_held_shmem_mib"] = _status_mib("RssShmem")
     rec["peak_mib"] = _status_mib("VmHWM")
     rec["staging_mib"] = staging
     dist.barrier()
@@ -232,6 +239,11 @@ def targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         held = r["rss_held_mib"] - g["rss_held_mib"]
         peak = r["peak_mib"] - g["peak_mib"]
         init = r["rss_init_mib"] - g["rss_init_mib"]
+        parts = {
+            f"held_{part}_over_gloo_mib": r[f"rss_held_{part}_mib"] - g[f"rss_held_{part}_mib"]
+            for part in ("anon", "file", "shmem")
+            if f"rss_held_{part}_mib" in r and f"rss_held_{part}_mib" in g
+        }
         checked = r["size_mib"] >= TARGET_MIN_MIB
         out.append(
             {
@@ -240,6 +252,7 @@ def targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 "held_over_gloo_mib": held,
                 "peak_over_gloo_mib": peak,
                 "init_over_gloo_mib": init,
+                **parts,
                 "held_ok": held <= HELD_SLACK * r["size_mib"] if checked else None,
                 "peak_ok": peak <= PEAK_SLACK * r["size_mib"] if checked else None,
                 "init_ok": init <= INIT_SLACK_MIB,
@@ -318,15 +331,16 @@ def main(argv: list[str] | None = None) -> int:
     table = [
         [
             r["size_mib"], r["method"], r["rss_init_mib"], r["held_over_init_mib"],
-            r["peak_mib"], (r["staging_mib"] or {}).get("idle", float("nan")),
+            r["peak_mib"], r.get("rss_held_file_mib", float("nan")),
+            (r["staging_mib"] or {}).get("idle", float("nan")),
             (r["staging_mib"] or {}).get("peak", float("nan")), 1e3 * min(r["call_s"]),
         ]
         for r in rows
     ]  # fmt: skip
     print(
         format_table(
-            ["MiB", "method", "RSS init", "held - init", "peak (HWM)", "staging idle",
-             "staging peak", "best ms/call"],
+            ["MiB", "method", "RSS init", "held - init", "peak (HWM)", "held file-backed",
+             "staging idle", "staging peak", "best ms/call"],
             table,
         )
     )  # fmt: skip
@@ -339,6 +353,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"MiB over gloo (targets +{HELD_SLACK:g}x, +{PEAK_SLACK:g}x the buffer, "
                 f"+{INIT_SLACK_MIB} MiB)"
             )
+            if "held_file_over_gloo_mib" in c:
+                print(
+                    f"    of the held: {c['held_anon_over_gloo_mib']:+.0f} MiB private, "
+                    f"{c['held_file_over_gloo_mib']:+.0f} MiB pages of mapped files, "
+                    f"{c['held_shmem_over_gloo_mib']:+.0f} MiB shared memory"
+                )
     cpus = os.cpu_count()
     print(f"\nload average before {load_before[0]:.2f}, after {load_after[0]:.2f} ({cpus} CPUs)")
     name = "memory" if args.link_rate is None else f"memory_{args.link_rate}"

@@ -595,16 +595,20 @@ def _memory(data: dict[str, Any]) -> list[str]:
                 fmt(r.get("rss_init_mib")),
                 fmt(r.get("held_over_init_mib")),
                 fmt(r.get("peak_mib")),
+                fmt(r.get("rss_held_file_mib")),
                 fmt(staging.get("idle")) if staging else "-",
                 fmt(staging.get("peak")) if staging else "-",
             ]
         )
     headers = ["buffer", "method", "RSS after init", "held after the calls", "peak"]
-    headers += ["staging idle", "staging peak"]
+    headers += ["of the RSS: mapped files", "staging idle", "staging peak"]
     note = (
         f"MiB, rank 0 of {data.get('world', '-')} ranks, link: {data.get('link_rate', '-')}; "
         f"held: RSS after {data.get('calls', '-')} all_reduces of one tensor, the tensor "
-        "freed, minus RSS after init; peak: the process's high-water mark."
+        "freed, minus RSS after init; peak: the process's high-water mark; mapped files: "
+        "the part of the RSS held that is pages of mapped files (shared libraries such as "
+        "LLVM's, which the compressed CPU path loads: resident once per host, shared by "
+        "every process that maps them)."
     )
     return [table(headers, rows), note]
 
