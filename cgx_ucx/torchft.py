@@ -183,12 +183,8 @@ class ProcessGroupCGX(ProcessGroupWrapper):
             config = CompressionConfig(bits=bits)  # type: ignore[arg-type]
         if not isinstance(config, CompressionConfig):
             raise ConfigError(f"expected a CompressionConfig, got {config!r}")
-        outer = getattr(self._local, "override", None)
-        self._local.override = config
-        try:
+        with self._on_this_thread("override", config):
             yield
-        finally:
-            self._local.override = outer
 
     def effective_compression(self) -> CompressionConfig | None:
         """The compression an all_reduce made now on this thread uses: a
@@ -206,12 +202,19 @@ class ProcessGroupCGX(ProcessGroupWrapper):
         requantized), instead of a separate pass over the result. For a caller that would
         divide the sum by the group's size itself, as torchft's ``Manager.allreduce`` does
         when every member of the quorum participates (see :class:`DistributedDataParallel`)."""
-        outer = getattr(self._local, "average", False)
-        self._local.average = True
+        with self._on_this_thread("average", True):
+            yield
+
+    @contextlib.contextmanager
+    def _on_this_thread(self, name: str, value: Any) -> Iterator[None]:
+        """Set this thread's ``name`` setting (read by :meth:`allreduce`) for the block,
+        the outer block's value back after it."""
+        outer = getattr(self._local, name, None)
+        setattr(self._local, name, value)
         try:
             yield
         finally:
-            self._local.average = outer
+            setattr(self._local, name, outer)
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         if getattr(self._local, "average", False):
@@ -431,7 +434,7 @@ def _average(manager: Any, tensor: torch.Tensor) -> Any:
     """``manager.allreduce(tensor)`` (the average over the step's participants). Where
     every member of the quorum participates, on a :class:`ProcessGroupCGX`, the group
     averages as it reduces, and the Manager's division of the result (one more pass over
-    every bucket, on the group's completion thread) goes: the same average, each replica
+    every bucket, on the group's completion thread) goes: the average, each replica
     bit-identical. Otherwise (a replica recovering, an error recorded, another group)
     the Manager's path as it is."""
     from torch.distributed import ReduceOp

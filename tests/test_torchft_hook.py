@@ -175,6 +175,8 @@ def test_ddp_hook_lets_the_cgx_group_average_where_the_whole_quorum_participates
 
     ft.DistributedDataParallel._comm_hook(Manager(), Bucket())
     assert (seen["group"], seen["manager"]) == (group_op, manager_op)
+    # The participants are read after the step's quorum, as Manager.allreduce reads them.
+    assert ("quorum" in seen) == dtype.is_floating_point
     assert not getattr(pg._local, "average", False)  # the flag ends with the call
 
 

@@ -242,7 +242,6 @@ def targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         parts = {
             f"held_{part}_over_gloo_mib": r[f"rss_held_{part}_mib"] - g[f"rss_held_{part}_mib"]
             for part in ("anon", "file", "shmem")
-            if f"rss_held_{part}_mib" in r and f"rss_held_{part}_mib" in g
         }
         checked = r["size_mib"] >= TARGET_MIN_MIB
         out.append(
@@ -331,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     table = [
         [
             r["size_mib"], r["method"], r["rss_init_mib"], r["held_over_init_mib"],
-            r["peak_mib"], r.get("rss_held_file_mib", float("nan")),
+            r["peak_mib"], r["rss_held_file_mib"],
             (r["staging_mib"] or {}).get("idle", float("nan")),
             (r["staging_mib"] or {}).get("peak", float("nan")), 1e3 * min(r["call_s"]),
         ]
@@ -353,12 +352,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"MiB over gloo (targets +{HELD_SLACK:g}x, +{PEAK_SLACK:g}x the buffer, "
                 f"+{INIT_SLACK_MIB} MiB)"
             )
-            if "held_file_over_gloo_mib" in c:
-                print(
-                    f"    of the held: {c['held_anon_over_gloo_mib']:+.0f} MiB private, "
-                    f"{c['held_file_over_gloo_mib']:+.0f} MiB pages of mapped files, "
-                    f"{c['held_shmem_over_gloo_mib']:+.0f} MiB shared memory"
-                )
+            print(
+                f"    of the held: {c['held_anon_over_gloo_mib']:+.0f} MiB private, "
+                f"{c['held_file_over_gloo_mib']:+.0f} MiB pages of mapped files, "
+                f"{c['held_shmem_over_gloo_mib']:+.0f} MiB shared memory"
+            )
     cpus = os.cpu_count()
     print(f"\nload average before {load_before[0]:.2f}, after {load_after[0]:.2f} ({cpus} CPUs)")
     name = "memory" if args.link_rate is None else f"memory_{args.link_rate}"
