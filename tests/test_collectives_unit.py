@@ -808,3 +808,26 @@ def test_a_lost_peer_is_relayed_naming_it():
     err = abort_error(4, 5, code, culprit, reason, 0)
     assert isinstance(err, PeerLostError) and err.peer == 7, repr(err)
     assert "rank 4 aborted collective #5: PeerLostError: rank 7 is gone" in str(err), str(err)
+
+
+def test_prepared_calls_are_reused_across_seeds_only_where_rounding_is_deterministic():
+    """A training loop passes a new seed every step: with deterministic rounding the seed
+    is never read, so the prepared spec (and its kernels' memo) is reused; with
+    stochastic rounding each seed is its own spec; a bad seed is refused either way."""
+    cache: dict = {}
+    x = np.zeros(4096, np.float32)
+    specs = [
+        allreduce.prepare_allreduce(x, world_size=2, bits=4, seed=s, cache=cache)[1][1]
+        for s in (1, 2, 3)
+    ]
+    assert specs[0] is specs[1] is specs[2] and len(cache) == 1
+    sto = []
+    for s in (1, 2):
+        _, (_, spec) = allreduce.prepare_allreduce(
+            x, world_size=2, bits=4, seed=s, stochastic=True, cache=cache
+        )
+        sto.append(spec)
+    assert sto[0] is not sto[1] and (sto[0].seed, sto[1].seed) == (1, 2)
+    for bad in (-1, 2**64):
+        with pytest.raises(ConfigError, match="seed"):
+            allreduce.prepare_allreduce(x, world_size=2, bits=4, seed=bad, cache=cache)

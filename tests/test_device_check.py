@@ -182,6 +182,9 @@ model.register_comm_hook(state, _one_bucket_at_a_time(powerSGD_hook.powerSGD_hoo
 for step in range(4):
     model(torch.randn(16, 64)).sum().backward()
 print("steps", state.iter)
+# The DDP reducer holds the group; drop it before the group is destroyed, so that gloo's
+# threads are joined here and not during interpreter teardown.
+del model, state
 dist.destroy_process_group()
 """
 

@@ -22,7 +22,7 @@ class StaticPolicy(Policy):
 
     def observing(self, step: int) -> bool:
         # only to fill the stats table on logging steps
-        return bool(self._compressible.any()) and self._log_step(step)
+        return self._log_step(step) and bool(self._compressible.any())
 
     def _decide(self, step: int, statistics: np.ndarray) -> Assignment:
         return self.static_assignment(step)
