@@ -90,6 +90,22 @@ def test_bytes_not_of_the_layout_are_codec_errors_and_leave_acc_alone():
         run.encode(x, small)
 
 
+def test_an_uncompressed_segment_with_a_wrong_header_is_a_codec_error():
+    spec = one_piece_spec([5, 4000], 4, False)  # 5 values: under minimal_size, raw
+    x = np.linspace(-1, 1, 4005, dtype=np.float32)
+    good = reference(spec, x)
+    run = host_run(spec, x.dtype)
+    acc = np.ones(4005, np.float32)
+    for byte in (0, 5):  # its magic, its bit width
+        corrupt = good.copy()
+        corrupt[byte] ^= 0x40
+        with pytest.raises(CodecError):
+            run.decode_add(corrupt, acc)
+        assert (acc == 1).all()
+    run.decode_add(good, acc)
+    assert np.array_equal(acc[:5], x[:5] + 1)
+
+
 def test_buffers_of_another_kind_are_codec_errors_not_wrong_sums():
     """Bytes-like runs decode to the same sums as the array; a run that is not contiguous
     uint8 (an int8 view, a strided one), a wrong accumulator or output, and a wrong input

@@ -113,9 +113,13 @@ class HostRun:
         for i, p in enumerate(self._progs):
             part = x[p.start : p.stop]
             seg = out[p.offset : p.end]
+            if p.hdr.raw:  # the header and the values' bytes, as the codec writes them
+                seg[:HEADER_NBYTES] = p.header_u8
+                seg[HEADER_NBYTES:] = part.view(np.uint8)
+                continue
             seed = seeds[i] if p.hdr.stochastic else 0
-            meta = None if p.hdr.raw else out[p.offset + HEADER_NBYTES : p.codes].view(np.float32)
-            if meta is None or not meta.flags.aligned:
+            meta = out[p.offset + HEADER_NBYTES : p.codes].view(np.float32)
+            if not meta.flags.aligned:
                 codec.encode(
                     part, p.hdr.bits, p.hdr.bucket_size, out=seg, stochastic=p.hdr.stochastic,
                     seed=seed,
@@ -144,8 +148,15 @@ class HostRun:
         for p in self._progs:
             seg = buf[p.offset : p.end]
             a = acc[p.start : p.stop]
-            meta = None if p.hdr.raw else buf[p.offset + HEADER_NBYTES : p.codes].view(np.float32)
-            if meta is None or not meta.flags.aligned or seg[:HEADER_NBYTES].tobytes() != p.header:
+            if seg[:HEADER_NBYTES].tobytes() != p.header:
+                codec.decode_add(seg, a)  # raises the CodecError that names the difference
+                continue
+            if p.hdr.raw:  # added as the codec adds uncompressed values (any alignment)
+                with np.errstate(over="ignore"):
+                    np.add(a, seg[HEADER_NBYTES:].view(self.dtype), out=a)
+                continue
+            meta = buf[p.offset + HEADER_NBYTES : p.codes].view(np.float32)
+            if not meta.flags.aligned:
                 codec.decode_add(seg, a)
                 continue
             if not p.hdr.numel:
