@@ -61,6 +61,7 @@ __all__ = [
     "read_env",
     "resolve_comm",
     "resolve_compression",
+    "resolved_compression",
     "spin_mode",
     "validate_environment",
 ]
@@ -481,26 +482,36 @@ def mailbox_kernels_mode(env: Mapping[str, str] | None = None) -> str:
 
 
 _COMPRESSION_ENV = (ENV_BITS, ENV_BUCKET_SIZE, ENV_MINIMAL_SIZE, ENV_STOCHASTIC)
-_from_env: tuple[tuple[str | None, ...], CompressionConfig] | None = None
+#: resolve_compression results by (base, keywords, the four variables' raw values).
+_resolved: dict[tuple[Any, ...], CompressionConfig] = {}
+_RESOLVED_MAX = 64
+
+
+def resolved_compression(
+    base: CompressionConfig | None = None, params: Mapping[str, Any] | None = None
+) -> CompressionConfig:
+    """``resolve_compression(base, **params)`` of the current environment, re-resolved
+    only when ``base``, ``params`` or one of the four CGX_COMPRESSION_* variables changed:
+    hooks and backends ask on every call (the environment may change between calls), and
+    resolving costs tens of microseconds. Errors are raised as resolve_compression's."""
+    params = params or {}
+    try:
+        key = (base, tuple(sorted(params.items())), *(read_env(n) for n in _COMPRESSION_ENV))
+        hash(key)
+    except TypeError:  # an unhashable keyword value: resolve_compression names what is wrong
+        return resolve_compression(base, **params)
+    config = _resolved.get(key)
+    if config is None:
+        config = resolve_compression(base, **params)
+        if len(_resolved) >= _RESOLVED_MAX:
+            _resolved.clear()
+        _resolved[key] = config
+    return config
 
 
 def compression_from_env() -> CompressionConfig:
-    """``resolve_compression()`` of the current environment, re-resolved only when one of
-    the four CGX_COMPRESSION_* variables changed: a backend asks on every call (the
-    environment may change between calls), and resolving costs tens of microseconds."""
-    global _from_env
-    key = (
-        read_env(ENV_BITS),
-        read_env(ENV_BUCKET_SIZE),
-        read_env(ENV_MINIMAL_SIZE),
-        read_env(ENV_STOCHASTIC),
-    )
-    cached = _from_env
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    config = resolve_compression()
-    _from_env = (key, config)
-    return config
+    """:func:`resolved_compression` with no base and no keywords: the environment's."""
+    return resolved_compression()
 
 
 def resolve_comm(

@@ -227,3 +227,25 @@ def test_cgx_options_check_their_parts():
         CGXOptions(compression="x")
     with pytest.raises(ConfigError, match="CommConfig"):
         CGXOptions(comm={"timeout": 5})
+
+
+def test_resolved_compression_follows_the_keywords_and_the_environment(monkeypatch):
+    from cgx_ucx.config import resolved_compression
+
+    monkeypatch.delenv(ENV_BITS, raising=False)
+    base = CompressionConfig(bits=4, bucket_size=512)
+    first = resolved_compression(base, {"bucket_size": 128})
+    assert (first.bits, first.bucket_size) == (4, 128)
+    assert resolved_compression(base, {"bucket_size": 128}) is first  # kept while unchanged
+    assert resolved_compression(base, {"bucket_size": 256}).bucket_size == 256
+    monkeypatch.setenv(ENV_BITS, "2")
+    assert resolved_compression(base, {"bucket_size": 128}).bits == 2
+    assert resolved_compression(base, {"bits": 8}).bits == 8  # a keyword beats the variable
+    monkeypatch.setenv(ENV_BITS, "9")
+    with pytest.raises(ConfigError, match=ENV_BITS):
+        resolved_compression(base, {})
+    monkeypatch.delenv(ENV_BITS)
+    with pytest.raises(ConfigError, match="unknown"):
+        resolved_compression(base, {"bitz": 4})
+    with pytest.raises(ConfigError):
+        resolved_compression(base, {"bits": [4]})  # unhashable: still checked, not cached

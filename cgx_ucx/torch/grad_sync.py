@@ -63,7 +63,7 @@ import torch.distributed as dist
 
 from ..arrays import check_positive_int, check_seconds
 from ..compression.policies import LayerStats, Policy
-from ..config import CompressionConfig, resolve_comm, resolve_compression
+from ..config import CompressionConfig, resolve_comm, resolved_compression
 from ..errors import CGXTimeoutError, ConfigError
 from ..layout import Layout
 from ._convert import as_array
@@ -210,7 +210,7 @@ class GradientSync:
 
         An adaptive policy uses its own, resolved at construction (``policy.config``).
         """
-        return resolve_compression(PAPER_DEFAULTS, **self.compression_params)
+        return resolved_compression(PAPER_DEFAULTS, self.compression_params)
 
     @property
     def find_unused_parameters(self) -> bool:

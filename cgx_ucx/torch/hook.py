@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from ..arrays import check_positive_int
 from ..compression.policies import LayerStats, Policy
-from ..config import CompressionConfig, resolve_comm, resolve_compression
+from ..config import CompressionConfig, resolve_comm, resolved_compression
 from ..errors import ConfigError
 from ..layout import Layout
 from ._convert import as_array
@@ -187,7 +187,7 @@ class CGXState:
 
         An adaptive policy uses its own, resolved at construction (``policy.config``).
         """
-        return resolve_compression(PAPER_DEFAULTS, **self.compression_params)
+        return resolved_compression(PAPER_DEFAULTS, self.compression_params)
 
     @property
     def policy(self) -> Policy | None:
