@@ -62,6 +62,21 @@ def test_minimal_size_wins_over_a_smaller_layer_min_size() -> None:
     assert [s.bits for s in layer_layout([torch.zeros(64, 32)], cfg, 0)] == [32]
 
 
+def test_a_layout_seen_again_is_reused_and_keyed_on_what_the_rule_reads() -> None:
+    """Same sizes, ranks and dtypes: the layout built before. A change in any of them,
+    in the configuration or in layer_min_size: the rule applied again."""
+    grads = [torch.zeros(64, 64), torch.zeros(64)]
+    first = layer_layout(grads, CFG, 0)
+    assert layer_layout([g.clone() for g in grads], CFG, 0) is first
+    flat = layer_layout([torch.zeros(4096), torch.zeros(64)], CFG, 0)  # same sizes, 1-D
+    ints = layer_layout([torch.zeros(64, 64, dtype=torch.int32), torch.zeros(64)], CFG, 0)
+    big = layer_layout(grads, CFG, 8192)
+    two = layer_layout(grads, CompressionConfig(bits=2, bucket_size=1024, minimal_size=16), 0)
+    assert [s.bits for s in first] == [4, 32]
+    assert [s.bits for s in flat] == [s.bits for s in ints] == [s.bits for s in big] == [32, 32]
+    assert [s.bits for s in two] == [2, 32]
+
+
 @pytest.mark.parametrize("numel", [0, 1, 1023, 1024, 4097])
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 def test_layer_wire_bytes_is_the_codec_segment_without_its_header(numel: int, bits: int) -> None:
