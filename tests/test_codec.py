@@ -40,6 +40,7 @@ from cgx_ucx.compression import (
     decode_add,
     encode,
     encode_decode,
+    encode_sum,
     encoded_nbytes,
     read_header,
     reduce_encode,
@@ -951,3 +952,30 @@ def test_codec_benchmark_writes_its_table(tmp_path: Any, capsys: pytest.CaptureF
     for key in [*keys, "reduce_requantize_GBps", "decode_add_encode_decode_GBps"]:
         assert row[key] > 0, key
     assert "requant" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16], ids=str)
+@pytest.mark.parametrize("bits", [2, 4, 32])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_encode_sum_writes_the_segment_of_the_sum(dtype, bits, stochastic):
+    """encode_sum(x, y) is encode(x + y) byte for byte, the sum never written: the host
+    kernels (compiled here), a read-only y (a peer's mapped bytes), buckets that end
+    mid-way, and an uncompressed segment."""
+    rng = np.random.default_rng(bits)
+    n = 5000
+    x = (rng.standard_normal(n) * 4).astype(dtype)
+    y = (rng.standard_normal(n) * 4).astype(dtype)
+    y.flags.writeable = False
+    kept = x.copy()
+    with compiling_here():
+        got = encode_sum(x, y, bits, 512, stochastic=stochastic, seed=11)
+    want = encode(x + y, bits, 512, stochastic=stochastic, seed=11)
+    assert got.tobytes() == want.tobytes()
+    assert x.tobytes() == kept.tobytes()  # the sum is not written into x
+
+
+def test_encode_sum_refuses_an_addend_unlike_x():
+    x = np.ones(64, np.float32)
+    for y in (np.ones(64, np.float16), np.ones(63, np.float32), np.ones(128, np.float32)[::2]):
+        with pytest.raises(CodecError, match="y must be"):
+            encode_sum(x, y, 4)

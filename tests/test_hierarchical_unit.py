@@ -27,7 +27,7 @@ from test_collectives_unit import (
     smooth_data,
 )
 
-from cgx_ucx.collectives import Communicator, hierarchical
+from cgx_ucx.collectives import Communicator, hierarchical_plan
 from cgx_ucx.collectives.hierarchical import (
     ONE_NODE_MIN_WORLD,
     Hierarchical,
@@ -269,7 +269,7 @@ def test_shared_memory_path_gives_the_same_bytes_and_keeps_them_off_the_transpor
     """Node-local host bytes go through shared segments (only descriptors travel), and the
     result is bit for bit the one of the UCX path cut into the same pieces, on every rank,
     over several calls (the segments are reused)."""
-    monkeypatch.setattr(hierarchical, "SHARED_PIECE_FACTOR", 1)
+    monkeypatch.setattr(hierarchical_plan, "SHARED_PIECE_FACTOR", 1)
     sizes = LAYOUTS[layout]
     n = 40_000
 
@@ -310,7 +310,7 @@ def test_owners_forward_the_cross_node_wire_bytes_and_peers_decode_the_same_valu
     which they decode (and divide, for avg): bit for bit the values of the path that sends
     the owner's values (cut into the same pieces), on every rank, with an uncompressed
     layer in the layout."""
-    monkeypatch.setattr(hierarchical, "SHARED_PIECE_FACTOR", 1)
+    monkeypatch.setattr(hierarchical_plan, "SHARED_PIECE_FACTOR", 1)
     sizes = LAYOUTS[layout]
     forwarded: Counter = Counter()
     real = Hierarchical.gather_forwarded
@@ -320,6 +320,15 @@ def test_owners_forward_the_cross_node_wire_bytes_and_peers_decode_the_same_valu
         await real(self, j)
 
     monkeypatch.setattr(Hierarchical, "gather_forwarded", counting)
+    fused: Counter = Counter()  # groups whose last node peer's pieces SRA added
+    real_reduce = Hierarchical.reduce
+
+    async def reduce(self, chunk, acc, ks, fuse=False):
+        addend = await real_reduce(self, chunk, acc, ks, fuse)
+        fused[self.rank] += addend is not None
+        return addend
+
+    monkeypatch.setattr(Hierarchical, "reduce", reduce)
 
     async def body(comm):
         out = []
@@ -332,8 +341,11 @@ def test_owners_forward_the_cross_node_wire_bytes_and_peers_decode_the_same_valu
     runs = {}
     for shared in (True, False):
         forwarded.clear()
+        fused.clear()
         results, _ = run_nodes(sizes, body, HierarchyConfig(intra_shm=shared))
         runs[shared] = ok(results)
+        # Shared segments: every owner's groups take the peer's pieces into the encode.
+        assert (sum(fused.values()) > 0) == shared, fused
         topo = Topology.from_node_sizes(sizes)
         shards = min(sizes)
         # Every rank hears from every owner of its node but itself, in both calls.

@@ -31,7 +31,8 @@ Uncompressed node-local bytes of host buffers do not travel through UCX
 (``HierarchyConfig.intra_shm``, on by default): the sender copies them into a shared
 segment of its own (:mod:`cgx_ucx.transport.shm`) and sends a descriptor in their place;
 the receiver maps the segment and reads them in place (the owner adds its peers' pieces
-straight from their segments). A segment is only reused once its readers are done: an
+straight from their segments; across nodes by SRA, the last peer's pieces are added as
+the encode reads them, :meth:`Hierarchical.fusable`). A segment is only reused once its readers are done: an
 owner's shard bytes (step 3) are released when each node peer's DONE frame (phase 5)
 arrived, the pieces a rank sent in step 1 when the owners' step-3 frames arrived (an
 owner sends those only after it has added them). Same bytes, same order of additions:
@@ -59,21 +60,29 @@ nodes in 2), so ranks that disagree on the algorithm still meet on phase 1 and r
 from __future__ import annotations
 
 import asyncio
-import functools
-from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError, ProtocolError
-from ..layout import LayerSpec, Layout
+from ..errors import ProtocolError
 from ..transport import shm
 from ..transport.frames import Algo
-from ..transport.handshake import MAX_SLOTS
-from ..transport.topology import HierarchyConfig, Topology
 from .call import PH_SIG, Call, cancel_pending, gather_or_cancel
+from .hierarchical_plan import (
+    CROSS_GROUPS,
+    FLAG_INTRA_COMPRESS,
+    FLAG_INTRA_SHM,
+    FLAG_LEADER,
+    ONE_NODE_MIN_WORLD,
+    SHARED_PIECE_FACTOR,
+    HierarchicalSpec,
+    hierarchical_scheme,
+    hierarchical_spec,
+    shard_layout,
+    sub_chunk,
+)
 from .piece_codec import decode_add_piece, decode_piece
-from .plan import Chunk, make_plan
+from .plan import Chunk
 from .reduction import AllreduceSpec, PieceSteps
 from .ring import ring
 from .sra import Table, keep_results, result_table, sra
@@ -81,12 +90,14 @@ from .staging import byte_view, synchronize
 from .subgroup import GroupView, StageCall
 
 __all__ = [
+    "CROSS_GROUPS",
     "FLAG_INTRA_COMPRESS",
     "FLAG_INTRA_SHM",
     "FLAG_LEADER",
     "ONE_NODE_MIN_WORLD",
     "PH_HIER_DONE",
     "PH_HIER_GATHER",
+    "SHARED_PIECE_FACTOR",
     "HierarchicalSpec",
     "hierarchical",
     "hierarchical_scheme",
@@ -98,245 +109,21 @@ __all__ = [
 PH_HIER_GATHER = 4
 #: Phase of the shared-memory path's "done reading your shard" (node peer -> owner).
 PH_HIER_DONE = 5
-#: Signature flags (bit 0 is stochastic rounding): ranks that disagree on the scheme or
-#: on the intra-node compression would expect different messages, so both are signed.
-FLAG_LEADER = 2
-FLAG_INTRA_COMPRESS = 4
-FLAG_INTRA_SHM = 8
 
 
-@dataclass(frozen=True)
-class HierarchicalSpec(AllreduceSpec):
-    """An :class:`AllreduceSpec` for two levels. ``plan`` cuts the buffer into the
-    ``shards``; ``groups[j]`` is shard ``j``'s cross-node allreduce, as one or more groups
-    of its pieces (each group's spec has a plan cutting those pieces among the nodes)."""
-
-    topology: Topology | None = None
-    scheme: str = "sharded"  # or "leader" (one shard, owned by local rank 0)
-    shards: int = 1
-    intra_compress: bool = False
-    intra_shm: bool = False
-    #: Per shard, the cross-node stage cut into consecutive groups of its pieces, each its
-    #: own allreduce on its own slots, started as soon as the node reduced its pieces:
-    #: (pieces of the shard, the group's spec, first slot). See :func:`cross_groups`.
-    groups: tuple[tuple[tuple[range, AllreduceSpec, int], ...], ...] = ()
-
-    @property
-    def flags(self) -> int:
-        leader = FLAG_LEADER if self.scheme == "leader" else 0
-        shared = FLAG_INTRA_SHM if self.intra_shm else 0
-        return leader | shared | (FLAG_INTRA_COMPRESS if self.intra_compress else 0)
-
-    def cross_group(self, local_index: int) -> tuple[int, ...]:
-        """The ranks of local index ``local_index`` on every node (node order)."""
-        assert self.topology is not None
-        return tuple(node[local_index] for node in self.topology.nodes)
-
-
-#: Ranks of one node from which an uncompressed host allreduce goes through the node's
-#: shared segments (module doc). One host, 2 cores, ``python -m cgx_ucx.bench allreduce
-#: --bits 32``: 8 ranks, 16 MiB 49.5 ms this way against 165 through UCX (gloo 64),
-#: 64 MiB 147 against 609 (gloo 254); 4 ranks, 64 MiB 64.5 against 90 (gloo 108); 2 ranks,
-#: 64 MiB 22.6 against 20.6, 256 MiB 94 against 85: two ranks stay flat.
-ONE_NODE_MIN_WORLD = 3
-
-
-def hierarchical_scheme(
-    algorithm: str,
-    one_round: bool,
-    topology: Topology | None,
-    hierarchy: HierarchyConfig | None,
-    raw_host: bool = False,
-) -> str | None:
-    """``"sharded"`` or ``"leader"`` when this allreduce runs on two levels, else None.
-
-    ``algorithm="auto"`` follows ``hierarchy.plan(topology)`` unless the flat choice
-    is the one-round path (``one_round``: small buffers, where latency, not bytes,
-    dominates);
-    ``algorithm="hierarchical"`` asks for two levels even where the configured scheme is
-    "flat" ("leader" stays leader), and falls back to flat where they do not apply
-    (one node, nodes of one rank, a single-rank node under the sharded scheme).
-    ``raw_host``: the buffer is in host memory and uncompressed, and every rank of the
-    group mapped every other's node-local shared memory at connect (the group has
-    mailboxes): on one node of at least :data:`ONE_NODE_MIN_WORLD` ranks "auto" then runs
-    it through shared segments.
-    """
-    if topology is None or topology.world_size == 1:
+def _joined(bufs: list[Any]) -> Any:
+    """The byte arrays ``bufs`` as one array, where they are back-to-back slices of one
+    array (a peer's segment); else None."""
+    if not bufs:
         return None
-    hierarchy = hierarchy if hierarchy is not None else HierarchyConfig()
-    if algorithm == "hierarchical":
-        if hierarchy.scheme not in ("sharded", "leader"):
-            hierarchy = replace(hierarchy, scheme="sharded")
-    elif algorithm != "auto" or one_round:
-        return None
-    plan = hierarchy.plan(topology)
-    if plan == "flat" and raw_host and _one_node_shm(topology, hierarchy):
-        return "sharded"
-    return None if plan == "flat" else plan
-
-
-def _one_node_shm(topology: Topology, hierarchy: HierarchyConfig) -> bool:
-    return (
-        topology.num_nodes == 1
-        and topology.world_size >= ONE_NODE_MIN_WORLD
-        and hierarchy.scheme in ("auto", "sharded")
-        and hierarchy.intra_shm
-        and hierarchy.intra_transport == "local"
-        and shm.available()
-    )
-
-
-@functools.lru_cache(maxsize=64)
-def shard_layout(layout: Layout, chunk: Chunk) -> Layout:
-    """The layout of values ``[chunk.start, chunk.stop)`` as a buffer of their own.
-
-    Chunks start on bucket boundaries of their layers (:mod:`.plan`), so every bucket of
-    the shard is a bucket of the whole layout: quantizing the shard alone gives the same
-    buckets and error bound. Layer pieces split across pipeline pieces are joined again.
-    """
-    specs: list[LayerSpec] = []
-    layer_of: list[int] = []
-    for piece in chunk.pieces:
-        for seg in piece.segments:
-            if layer_of and layer_of[-1] == seg.layer:
-                last = specs[-1]
-                specs[-1] = replace(last, numel=last.numel + seg.numel)
-            else:
-                specs.append(
-                    LayerSpec(seg.start - chunk.start, seg.numel, seg.bits, seg.bucket_size)
-                )
-                layer_of.append(seg.layer)
-    if not specs:
-        return Layout((LayerSpec(0, 0, layout.layers[0].bits, layout.layers[0].bucket_size),))
-    return Layout(tuple(specs))
-
-
-#: At most this many cross-node groups per shard (SRA only; ring keeps one).
-CROSS_GROUPS = 4
-
-#: Node-local pieces through shared segments are this many times the pieces that travel
-#: through UCX: each costs a frame and Python steps, and no transport cuts them. 2 x 2 at
-#: 1 and 10 Gbit/s, 16 and 64 MiB, 4 bits, interleaved: 16 MiB pieces 11-15% fewer CPU-ms
-#: a rank than 4 MiB ones (64 MiB at 1 Gbit/s 43-47 against 48-51), times equal or
-#: shorter; 32 MiB pieces (one group) cost more again. One host, 32 bits, 64 MiB: 4 ranks
-#: 47.6/51.8 ms against 62.2/57.1, 8 ranks 115/129 against 139/168.
-SHARED_PIECE_FACTOR = 4
-
-
-def sub_chunk(chunk: Chunk, ks: range) -> Chunk:
-    """The pieces ``ks`` of ``chunk`` as a chunk of their own (empty at its start)."""
-    if not len(ks):
-        return Chunk(chunk.start, chunk.start, ())
-    pieces = chunk.pieces[ks.start : ks.stop]
-    return Chunk(pieces[0].start, pieces[-1].stop, pieces)
-
-
-def cross_groups(
-    layout: Layout, chunk: Chunk, spec: AllreduceSpec, nodes: int, piece_numel: int, slots: int
-) -> tuple[tuple[range, AllreduceSpec, int], ...]:
-    """The cross-node stage of one shard as consecutive groups of its pieces.
-
-    Why: the owners reduce their node's pieces, then allreduce the shard across nodes,
-    then send it to the node. With one cross-node allreduce per shard, the network waits
-    for the whole node-local stage and the node for the whole network stage (on 2 x 2
-    ranks at 1 Gbit/s, the 68 ms on the link come on top of 147 ms of CPU). Groups overlap
-    them: group g crosses the network while the owner adds the node's pieces of group
-    g + 1 (on 2 x 2 ranks, 64 MiB at 4 bits: 177-195 ms against 205-227 with one group,
-    same load; ``python -m cgx_ucx.bench nodes --rates 1gbit --sizes 64 --bits 4`` with
-    :data:`CROSS_GROUPS` varied). Each group runs SRA on its own slots (``slot_base``), so
-    groups of one call never take each other's frames. Ring keeps one group (its slots are
-    taken by steps).
-    """
-    n = len(chunk.pieces)
-    whole = ((range(n), spec, 0),)  # ``spec`` already plans the whole shard
-    # Uncompressed shards keep one group: the link is their bound, and several
-    # rendezvous transfers at once on one endpoint are slower (2 x 2 at 1 Gbit/s, 64 MiB
-    # float32: 981-1098 ms with 4 groups against 769-871 with one; the same command at
-    # --bits 32).
-    count = min(CROSS_GROUPS, n) if spec.algorithm == Algo.SRA and not spec.raw else 1
-    if count <= 1:
-        return whole
-    groups: list[tuple[range, AllreduceSpec, int]] = []
-    base = 0
-    for g in range(count):
-        ks = range(g * n // count, (g + 1) * n // count)
-        plan = make_plan(shard_layout(layout, sub_chunk(chunk, ks)), nodes, piece_numel, slots)
-        groups.append((ks, replace(spec, plan=plan), base))
-        base += plan.max_pieces
-    # Too many pieces to give every group its own slots: one group.
-    return tuple(groups) if base <= slots else whole
-
-
-def _accumulator_dtype(dtype: np.dtype, raw: bool) -> np.dtype:
-    # The rule of .allreduce: raw integers and 32/64-bit floats in their own dtype.
-    if raw and (dtype.kind in "iu" or dtype.itemsize >= 4):
-        return dtype
-    return np.dtype(np.float32)
-
-
-def hierarchical_spec(
-    base: AllreduceSpec,
-    layout: Layout,
-    topology: Topology,
-    hierarchy: HierarchyConfig | None,
-    scheme: str,
-    piece_numel: int,
-    cross_algorithm: Algo,
-    host: bool = True,
-) -> HierarchicalSpec:
-    """The two-level spec of the allreduce ``base`` describes (``scheme`` from
-    :func:`hierarchical_scheme`; ``cross_algorithm`` SRA or ring for the node count;
-    ``host``: the buffer is in host memory, which node peers can share)."""
-    hierarchy = hierarchy if hierarchy is not None else HierarchyConfig()
-    if hierarchy.cross_reduction != "auto":
-        cross_algorithm = Algo.SRA if hierarchy.cross_reduction == "sra" else Algo.RING
-    if cross_algorithm not in (Algo.SRA, Algo.RING):
-        raise ConfigError(f"the cross-node stage runs SRA or ring, not {cross_algorithm.name}")
-    shards = 1 if scheme == "leader" else topology.shards
-    intra_compress = bool(hierarchy.intra_compress) and not base.raw
-    intra_shm = (
-        hierarchy.intra_shm
-        and hierarchy.intra_transport == "local"
-        and not intra_compress
-        and host
-        and shm.available()
-    )
-    shard_piece = piece_numel * SHARED_PIECE_FACTOR if intra_shm else piece_numel
-    plan = make_plan(layout, shards, shard_piece, MAX_SLOTS)
-    nodes = topology.num_nodes
-    slots = MAX_SLOTS // max(nodes - 1, 1) if cross_algorithm == Algo.RING else MAX_SLOTS
-    acc_dtype = base.acc_dtype
-    cross = tuple(
-        replace(
-            base,
-            plan=make_plan(shard_layout(layout, chunk), nodes, piece_numel, slots),
-            avg=False,  # the owners divide by the world size once, after the cross stage
-            acc_dtype=_accumulator_dtype(acc_dtype, base.raw),
-            inplace=_accumulator_dtype(acc_dtype, base.raw) == acc_dtype,
-            algorithm=cross_algorithm,
-        )
-        for chunk in plan.chunks
-    )
-    groups = tuple(
-        cross_groups(layout, chunk, spec, nodes, piece_numel, slots)
-        for chunk, spec in zip(plan.chunks, cross, strict=True)
-    )
-    return HierarchicalSpec(
-        plan=plan,
-        raw=base.raw,
-        avg=base.avg,
-        acc_dtype=acc_dtype,
-        inplace=base.inplace,
-        stochastic=base.stochastic,
-        seed=base.seed,
-        algorithm=Algo.HIERARCHICAL,
-        topology=topology,
-        scheme=scheme,
-        shards=shards,
-        intra_compress=intra_compress,
-        intra_shm=intra_shm,
-        groups=groups,
-    )
+    whole = bufs[0].base
+    start = pos = bufs[0].ctypes.data
+    for b in bufs:
+        if not isinstance(whole, np.ndarray) or b.base is not whole or b.ctypes.data != pos:
+            return None
+        pos += b.nbytes
+    offset = start - whole.ctypes.data
+    return whole[offset : offset + (pos - start)]
 
 
 async def hierarchical(call: Call, x: Any, spec: HierarchicalSpec) -> None:
@@ -540,15 +327,17 @@ class Hierarchical(PieceSteps):
         stages = []
         offset = 0
         for g, (ks, cross, slot_base) in enumerate(groups):
-            await self.reduce(chunk, acc, ks)
             group = StageCall(self.call, view)
             group.slot_base = slot_base
+            addend = await self.reduce(chunk, acc, ks, fuse=self.fusable(cross, group))
             fwd = None
             if forward:
                 fwd = (g, offset, *tables[g])
                 offset += tables[g][1]
             stages.append(
-                asyncio.ensure_future(self.cross_and_send(chunk, acc, ks, cross, group, seg, fwd))
+                asyncio.ensure_future(
+                    self.cross_and_send(chunk, acc, ks, cross, group, seg, fwd, addend)
+                )
             )
             # The reduce above does not suspend when the node's pieces are already here:
             # let this group start across nodes before the next group is reduced.
@@ -570,11 +359,14 @@ class Hierarchical(PieceSteps):
         group: StageCall,
         seg: Any,
         fwd: tuple[int, int, Table, int] | None,
+        addend: Any = None,
     ) -> None:
         """Pieces ``ks`` of our shard (reduced in the node) across nodes, then to the node.
 
         ``fwd`` = (group index, offset in ``seg``, :func:`~.sra.result_table`, total) when the
-        node peers get the cross-node stage's wire bytes (:meth:`forwards`)."""
+        node peers get the cross-node stage's wire bytes (:meth:`forwards`). ``addend``: the
+        last node peer's pieces ``ks``, not added yet (:meth:`reduce` with ``fuse``): the
+        cross-node stage adds them as it encodes."""
         sub = sub_chunk(chunk, ks)
         a = acc[sub.start - chunk.start : sub.stop - chunk.start]
         if group.world_size == 1:
@@ -582,7 +374,8 @@ class Hierarchical(PieceSteps):
         elif cross.algorithm == Algo.RING:
             await ring(group, a, cross)
         else:
-            await sra(group, a, cross, None if fwd is None else keep_results(seg.array, *fwd[1:3]))
+            keep = None if fwd is None else keep_results(seg.array, *fwd[1:3])
+            await sra(group, a, cross, keep, addend)
         self.finish(sub, a)
         if fwd is not None:
             g, offset, _, total = fwd
@@ -608,14 +401,39 @@ class Hierarchical(PieceSteps):
                     )
                 )
 
-    async def reduce(self, chunk: Chunk, acc: Any, ks: range) -> None:
-        """acc += every node peer's pieces ``ks`` of our shard, peers in local-rank order."""
+    def fusable(self, cross: AllreduceSpec, group: StageCall) -> bool:
+        """Whether the last node peer's pieces can be added by the cross-node stage as it
+        encodes (:func:`~.sra.sra`'s addend) instead of by :meth:`reduce`: float32 host
+        values reduced in place, read from the peer's shared segment, an SRA across
+        nodes of a compressed layout. The same additions in the same order: the same
+        values and bytes, one pass over the shard fewer."""
+        return (
+            self.shm
+            and self.intra_raw
+            and bool(self.node_peers)
+            and not self.fused
+            and self.spec.inplace
+            and self.dtype == np.float32
+            and not cross.raw
+            and cross.algorithm == Algo.SRA
+            and group.world_size > 1
+        )
+
+    async def reduce(self, chunk: Chunk, acc: Any, ks: range, fuse: bool = False) -> Any:
+        """acc += every node peer's pieces ``ks`` of our shard, peers in local-rank order.
+
+        ``fuse``: the last peer's pieces are left out and returned, as one read-only
+        array laid out as the pieces' span of ``acc``, where they lie back to back in its
+        segment (else they are added as the others, and None is returned)."""
         base = chunk.start
+        last = self.node_peers[-1] if fuse else None
         for k in ks:
             piece = chunk.pieces[k]
             a = acc[piece.start - base : piece.stop - base]
             for i, p in enumerate(self.node_peers):
                 buf = await self.arrived[(p, k)]
+                if p == last:
+                    continue
                 if self.fused and i == 0:
                     src = self.x[piece.start : piece.stop]
                     self.xp.add(src, buf.view(self.dtype), out=a)
@@ -628,6 +446,16 @@ class Hierarchical(PieceSteps):
             # Pieces that arrived already do not suspend the loop above: yield, so the
             # groups started across nodes keep their transfers going meanwhile.
             await asyncio.sleep(0)
+        if last is None:
+            return None
+        bufs = [self.arrived[(last, k)].result() for k in ks]
+        joined = _joined(bufs)
+        if joined is None:
+            for k, buf in zip(ks, bufs, strict=True):
+                piece = chunk.pieces[k]
+                self.add_raw(acc[piece.start - base : piece.stop - base], buf, piece)
+            return None
+        return joined.view(self.dtype)
 
     def finish(self, chunk: Chunk, acc: Any) -> None:
         """The shard's final values into the caller's buffer (averaged if asked)."""

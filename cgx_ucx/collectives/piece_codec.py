@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ..arrays import is_cupy, xp_of
-from ..compression import decode, decode_add, encode, encode_decode, reduce_encode
+from ..compression import decode, decode_add, encode, encode_decode, encode_sum, reduce_encode
 from ..transport.progress import no_spare_core
 from .plan import Piece
 
@@ -99,13 +99,18 @@ def encode_piece(
     raw_src: Any = None,
     raw_base: int = 0,
     decoded: Any = None,
+    addend: Any = None,
 ) -> Any:
     """Encode values [piece.start, piece.stop) of ``src`` (which starts at ``base``).
 
     Uncompressed segments are taken from ``raw_src`` when given (the owner's reduced
     values already written back to the caller's buffer, in its dtype). ``decoded``
     (starting at ``raw_base``) also receives what the compressed segments decode to.
+    ``addend`` (host values like ``src``, starting at ``base``): the values encoded are
+    ``src + addend``, summed as the encode reads them (:func:`~.codec.encode_sum`).
     """
+    if addend is not None:
+        return _encode_sum_piece(src, addend, base, piece, out, stochastic, seed, seq, rank)
     items = []
     for seg in piece.segments:
         if seg.bits == 32 and raw_src is not None:
@@ -128,6 +133,23 @@ def encode_piece(
             encode(part, bits, bucket_size, **kw)
         else:
             encode_decode(part, bits, bucket_size, decoded=dst, **kw)
+        pos += n
+    return out[:pos]
+
+
+def _encode_sum_piece(
+    src: Any, addend: Any, base: int, piece: Piece, out: Any, stochastic: bool, seed: int,
+    seq: int, rank: int,
+) -> Any:  # fmt: skip
+    """:func:`encode_piece` of ``src + addend`` (host arrays), segment by segment."""
+    pos = 0
+    for seg in piece.segments:
+        lo, hi = seg.start - base, seg.stop - base
+        n = seg.wire_nbytes(src.dtype)
+        st = stochastic and seg.bits != 32
+        s = mix_seed(seed, seq, rank, seg.layer, seg.start) if st else 0
+        encode_sum(src[lo:hi], addend[lo:hi], seg.bits, seg.bucket_size, out=out[pos : pos + n],
+                   stochastic=st, seed=s)  # fmt: skip
         pos += n
     return out[:pos]
 

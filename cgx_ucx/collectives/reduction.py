@@ -113,10 +113,17 @@ class PieceSteps:
         return byte_view(src[piece.start - base : piece.stop - base])
 
     async def encode(
-        self, src: Any, base: int, piece: Piece, raw_src: Any = None, raw_base: int = 0
+        self,
+        src: Any,
+        base: int,
+        piece: Piece,
+        raw_src: Any = None,
+        raw_base: int = 0,
+        addend: Any = None,
     ) -> Any:
         """Compressed path: ``piece`` of ``src`` (starting at ``base``) encoded into staging;
-        uncompressed segments from ``raw_src`` (starting at ``raw_base``) when given."""
+        uncompressed segments from ``raw_src`` (starting at ``raw_base``) when given;
+        ``src + addend`` when ``addend`` (host values laid out as ``src``) is given."""
         spec = self.spec
         buf = self.call.take(piece.wire_nbytes(self.dtype), self.x)
         out = await self.codec.run(
@@ -132,6 +139,8 @@ class PieceSteps:
             self.rank,
             raw_src,
             raw_base,
+            None,
+            addend,
         )
         synchronize(out)
         return out

@@ -100,14 +100,24 @@ def keep_results(out: Any, offset: int, table: Table) -> ResultHook:
     return keep
 
 
-async def sra(call: Call, x: Any, spec: AllreduceSpec, on_result: ResultHook | None = None) -> None:
+async def sra(
+    call: Call,
+    x: Any,
+    spec: AllreduceSpec,
+    on_result: ResultHook | None = None,
+    addend: Any = None,
+) -> None:
     """Scatter-reduce-allgather allreduce of the flat array ``x``, in place.
 
     ``on_result`` sees every reduced piece's wire bytes (this rank's and every peer's) on
     a compressed layout: the two-level allreduce forwards them to node peers, which decode
-    them into their buffers as every replica does.
+    them into their buffers as every replica does. ``addend`` (compressed layouts, host
+    values laid out as ``x``): this rank's contribution is ``x + addend``; the pieces it
+    sends are encoded from the sum as they are read (never written), its own chunk gets
+    the addend added before the peers' pieces. The two-level allreduce passes a node
+    peer's shared-memory bytes: one pass over them fewer than adding them first.
     """
-    await Sra(call, x, spec, on_result).run()
+    await Sra(call, x, spec, on_result, addend).run()
 
 
 def _consumed(f: asyncio.Future) -> Any:
@@ -137,11 +147,19 @@ class Sra(PieceSteps):
     """One SRA allreduce on this rank: its tasks share the state kept here."""
 
     def __init__(
-        self, call: Call, x: Any, spec: AllreduceSpec, on_result: ResultHook | None = None
+        self,
+        call: Call,
+        x: Any,
+        spec: AllreduceSpec,
+        on_result: ResultHook | None = None,
+        addend: Any = None,
     ) -> None:
         super().__init__(call, x, spec)
+        if addend is not None and (spec.raw or addend.shape != x.shape):
+            raise ValueError("an addend needs a compressed layout and values laid out as x")
         r, n_world = self.rank, self.n_world
         self.on_result = None if spec.raw else on_result
+        self.addend = addend
         self.own = self.plan.chunks[r]
         #: Peers in send order (r+1, r+2, ...), so no rank is everyone's first target.
         self.peers = [(r + i) % n_world for i in range(1, n_world)]
@@ -184,7 +202,10 @@ class Sra(PieceSteps):
                 if k >= len(pieces):
                     continue
                 piece = pieces[k]
-                payload = self.view(x, 0, piece) if raw else await self.encode(x, 0, piece)
+                if raw:
+                    payload = self.view(x, 0, piece)
+                else:
+                    payload = await self.encode(x, 0, piece, addend=self.addend)
                 sends.append(asyncio.ensure_future(call.send(p, PH_SIG, k, payload, len(pieces))))
                 if not raw:
                     call.give_after(sends[-1:], payload)
@@ -246,6 +267,8 @@ class Sra(PieceSteps):
         for p in self.peers:
             self.gather_tasks.append(asyncio.ensure_future(self.gather_recv(p)))
         acc = self.accumulator()
+        if self.addend is not None:
+            self.xp.add(acc, self.addend[own.start : own.stop], out=acc)
         count = len(own.pieces)
         for k, piece in enumerate(own.pieces):
             if spec.raw:

@@ -88,6 +88,7 @@ __all__ = [
     "decode_add",
     "encode",
     "encode_decode",
+    "encode_sum",
     "encoded_nbytes",
     "host_kernels",
     "read_header",
@@ -496,6 +497,35 @@ def encode(
         stochastic=stochastic,
         seed=seed,
     )
+
+
+def encode_sum(
+    x: Any,
+    y: Any,
+    bits: int,
+    bucket_size: int = 1024,
+    *,
+    out: Any = None,
+    stochastic: bool = False,
+    seed: int = 0,
+) -> Any:
+    """:func:`encode` of ``x + y`` (one float32 addition per value, as NumPy adds): the
+    same segment, without writing the sum where the backend fuses the addition into the
+    encode (the host kernels do, for float32 ``x`` and ``y``). ``y``: values like ``x``
+    (same dtype, length and device, contiguous), read-only allowed."""
+    backend = _backend_for(x, getattr(x, "size", 0))
+    hdr, seed, buf = _encode_target(backend, x, bits, bucket_size, out, stochastic, seed)
+    _same_kind(x, y, "y")
+    if y.dtype != x.dtype or y.shape != x.shape or not y.flags.c_contiguous:
+        raise CodecError(
+            f"y must be contiguous {x.dtype} of shape {x.shape}, got {y.dtype} {y.shape}"
+        )
+    fused = getattr(backend, "encode_sum_into", None)
+    if fused is not None and x.dtype == np.float32:
+        fused(x, y, hdr, seed, buf)
+    else:
+        backend.encode_into(x + y, hdr, seed, buf)
+    return buf
 
 
 def encode_decode(

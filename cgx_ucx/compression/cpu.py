@@ -55,6 +55,7 @@ __all__ = [
     "encode_chunks_direct",
     "encode_decode_into",
     "encode_into",
+    "encode_sum_into",
     "num_threads",
     "reduce_encode_into",
     "set_num_threads",
@@ -278,38 +279,53 @@ def _chunk_span(n, bsize, k, chunk):
 
 
 @njit
-def _encode_chunk(x, n, bits, bsize, k, stochastic, key, meta, codes, chunk, sc, dec):
+def _encode_bucket(xb, b, s, levels, stochastic, key, meta, scb, dec):
+    """Bucket ``b`` (values ``xb``, the first at index ``s``): meta, codes into ``scb``,
+    and (``dec`` not None) its decoded values into ``dec[s:]``."""
+    unit, mn = _bucket_meta(xb, levels)
+    meta[2 * b] = unit
+    meta[2 * b + 1] = mn
+    _quantize(xb, scb, unit, mn, levels, stochastic, key, s)
+    if dec is not None:  # a compile-time branch: None is its own type
+        _dequantize(scb, dec[s : s + xb.shape[0]], unit, mn, False)
+
+
+@njit
+def _encode_chunk(x, y, n, bits, bsize, k, stochastic, key, meta, codes, chunk, sc, dec, tb):
     """Encode chunk ``chunk`` (k buckets, starting on a code byte) using scratch ``sc``.
 
     Each bucket is reduced and quantized back to back while it is in L1; the chunk's
     codes are then packed from the scratch (k*bsize bytes, also in L1). ``dec`` (None,
     or an array like ``x``, which it may be) also receives each bucket's decoded values,
     computed as :func:`_decode_chunk` computes them from the same codes and meta, while
-    the bucket is still in L1: a requantization in one pass instead of two.
+    the bucket is still in L1: a requantization in one pass instead of two. ``y`` (None,
+    or float32 like a float32 ``x``): ``x + y`` is encoded, each bucket summed into the
+    scratch ``tb`` as NumPy adds, never written back: a reduction and its encode in one pass.
     """
     levels = np.float32((1 << bits) - 1)
     b0, b1, cs, ce = _chunk_span(n, bsize, k, chunk)
     for b in range(b0, b1):
         s = b * bsize
         e = min(s + bsize, n)
-        xb = x[s:e]
-        unit, mn = _bucket_meta(xb, levels)
-        meta[2 * b] = unit
-        meta[2 * b + 1] = mn
-        _quantize(xb, sc[s - cs : e - cs], unit, mn, levels, stochastic, key, s)
-        if dec is not None:  # a compile-time branch: None is its own type
-            _dequantize(sc[s - cs : e - cs], dec[s:e], unit, mn, False)
+        if y is not None:  # compile-time, as dec
+            xb, yb, sb = x[s:e], y[s:e], tb[: e - s]
+            for i in range(e - s):  # from 0 over slices: no wrap-around code, vectorized
+                sb[i] = xb[i] + yb[i]
+            _encode_bucket(sb, b, s, levels, stochastic, key, meta, sc[s - cs : e - cs], dec)
+        else:
+            _encode_bucket(x[s:e], b, s, levels, stochastic, key, meta, sc[s - cs : e - cs], dec)
     m = ce - cs
     off = (cs // 8) * bits
     _pack(sc, m, bits, codes[off : off + (m * bits + 7) // 8])
 
 
 @Kernel
-def _encode_range(x, n, bits, bsize, k, stochastic, key, meta, codes, c0, c1, nsc, dec):
-    """Chunks [c0, c1), without the GIL; the scratch is this call's only allocation."""
+def _encode_range(x, y, n, bits, bsize, k, stochastic, key, meta, codes, c0, c1, nsc, dec):
+    """Chunks [c0, c1), without the GIL; the scratches are this call's only allocations."""
     sc = np.empty(nsc, dtype=np.uint8)
+    tb = np.empty(bsize if y is not None else 0, dtype=np.float32)
     for c in range(c0, c1):
-        _encode_chunk(x, n, bits, bsize, k, stochastic, key, meta, codes, c, sc, dec)
+        _encode_chunk(x, y, n, bits, bsize, k, stochastic, key, meta, codes, c, sc, dec, tb)
 
 
 # ---------------------------------------------------------------------------------------
@@ -449,12 +465,9 @@ def _kernel_view(a: np.ndarray) -> np.ndarray | None:
 
 
 def _meta_view(buf: np.ndarray, hdr: CodecHeader) -> tuple[np.ndarray, bool]:
-    """The meta as float32 for the kernels, and whether it is a view of ``buf``.
-
-    Segments packed back to back start at any byte; an unaligned float32 view would be
-    another Numba type (another compile, in the middle of a collective), so unaligned
-    meta goes through a small aligned copy instead (8 bytes per bucket).
-    """
+    """The meta as float32 for the kernels, and whether it is a view of ``buf``: an
+    unaligned float32 view (segments packed back to back start at any byte) would be
+    another Numba type, another compile, so such meta goes through a small aligned copy."""
     raw = buf[HEADER_NBYTES : hdr.codes_offset]
     if raw.ctypes.data % 4 == 0:
         return raw.view(np.float32), True
@@ -463,6 +476,16 @@ def _meta_view(buf: np.ndarray, hdr: CodecHeader) -> tuple[np.ndarray, bool]:
 
 def encode_into(x: np.ndarray, hdr: CodecHeader, seed: int, buf: np.ndarray) -> None:
     _encode(x, hdr, seed, buf, None)
+
+
+def encode_sum_into(
+    x: np.ndarray, y: np.ndarray, hdr: CodecHeader, seed: int, buf: np.ndarray
+) -> None:
+    """Encode ``x + y`` (float32 both, ``hdr.numel`` values) into ``buf`` without writing
+    the sum anywhere: the bytes :func:`encode_into` writes for ``np.add(x, y)``."""
+    args = _encode_args(x, y, hdr, None)
+    if hdr.raw or not _encode_chunks(hdr, seed, buf, _encode_range, args):
+        _encode(np.add(x, y), hdr, seed, buf, None)
 
 
 def encode_decode_into(
@@ -521,44 +544,53 @@ def _encode(x: np.ndarray, hdr: CodecHeader, seed: int, buf: np.ndarray, dec: An
         if hdr.numel:
             buf[HEADER_NBYTES:] = x.view(np.uint8)
         return True
-    xk = _kernel_view(x)
-    n, bits, bsize, st = hdr.numel, hdr.bits, hdr.bucket_size, hdr.stochastic
-
-    def args(meta: Any, codes: Any, k: int, key: Any, nsc: int, c0: int, c1: int) -> tuple:
-        return (xk, n, bits, bsize, k, st, key, meta, codes, c0, c1, nsc, dec)
-
-    if _encode_chunks(hdr, seed, buf, _encode_range, args):
+    if _encode_chunks(hdr, seed, buf, _encode_range, _encode_args(x, None, hdr, dec)):
         return True
     reference.encode_into(x, hdr, seed, buf)
     return False
 
 
+def _encode_args(x: np.ndarray, y: Any, hdr: CodecHeader, dec: Any) -> Callable[..., tuple]:
+    """The argument builder of :func:`_encode_range` for :func:`_encode_chunks`."""
+    xk = _kernel_view(x)
+    n, bits, bsize, st = hdr.numel, hdr.bits, hdr.bucket_size, hdr.stochastic
+
+    def args(meta: Any, codes: Any, k: int, key: Any, nsc: int, c0: int, c1: int) -> tuple:
+        return (xk, y, n, bits, bsize, k, st, key, meta, codes, c0, c1, nsc, dec)
+
+    return args
+
+
 def _encode_chunks(
     hdr: CodecHeader, seed: int, buf: np.ndarray, kernel: Kernel, args: Callable[..., tuple]
 ) -> bool:
-    """Write the header of a compressed segment into ``buf`` and run ``kernel`` over its
-    chunks (shared with helper threads) with ``args(meta, codes, k, key, nsc, c0, c1)``:
-    the meta and codes of ``buf``, ``k`` buckets per chunk, the rounding key, the scratch
-    size, the chunks. False, having run nothing, if that signature is not compiled yet."""
+    """Write the header of a compressed segment into ``buf`` and :func:`_run` ``kernel``
+    on its meta and codes (False, having run nothing, if it is not compiled yet)."""
     buf[:HEADER_NBYTES] = np.frombuffer(hdr.pack(), dtype=np.uint8)
     n = hdr.numel
     if n == 0:
         return True
     meta, is_view = _meta_view(buf, hdr)
-    codes = buf[hdr.codes_offset :]
     k, nchunks = chunking(hdr)
-    key = np.uint64(seed_key(seed))
     nsc = min(k * hdr.bucket_size, n)  # scratch: one chunk of codes, never more than numel
-    if not kernel.ready(args(meta, codes, k, key, nsc, 0, 0), n):
+    key = np.uint64(seed_key(seed))
+    if not _run(kernel, args, meta, buf[hdr.codes_offset :], k, nchunks, key, nsc, hdr):
         return False
-    run_chunks(
-        lambda c0, c1: kernel(*args(meta, codes, k, key, nsc, c0, c1)),
-        n,
-        nchunks,
-        k * hdr.bucket_size,
-    )
     if not is_view:
         buf[HEADER_NBYTES : hdr.codes_offset] = meta.view(np.uint8)
+    return True
+
+
+def _run(kernel: Kernel, args: Callable[..., tuple], meta: Any, codes: Any, k: int,
+         nchunks: int, key: Any, nsc: int, hdr: CodecHeader) -> bool:  # fmt: skip
+    """``kernel`` over the chunks of the segment ``hdr`` (shared with helper threads) with
+    ``args(meta, codes, k, key, nsc, c0, c1)``: ``k`` buckets per chunk, the rounding key,
+    the scratch size, the chunks. False, having run nothing, if not compiled yet."""
+    n = hdr.numel
+    if not kernel.ready(args(meta, codes, k, key, nsc, 0, 0), n):
+        return False
+    run = lambda c0, c1: kernel(*args(meta, codes, k, key, nsc, c0, c1))  # noqa: E731
+    run_chunks(run, n, nchunks, k * hdr.bucket_size)
     return True
 
 
@@ -582,68 +614,41 @@ def _decode(buf: np.ndarray, hdr: CodecHeader, out: np.ndarray, add: bool) -> No
                 out[...] = src.astype(np.float32)
         return
     meta, _ = _meta_view(buf, hdr)
-    codes = buf[hdr.codes_offset :]
     k, nchunks = chunking(hdr)
     nsc = min(k * hdr.bucket_size, n)
-    bits, bsize = hdr.bits, hdr.bucket_size
-    if not _decode_range.ready((codes, meta, n, bits, bsize, k, target, add, 0, 0, nsc), n):
+    args = _decode_args(hdr, target, add)
+    if not _run(_decode_range, args, meta, buf[hdr.codes_offset :], k, nchunks, None, nsc, hdr):
         (reference.decode_add_into if add else reference.decode_into)(buf, hdr, out)
-        return
-
-    def run(c0: int, c1: int) -> None:
-        _decode_range(codes, meta, n, bits, bsize, k, target, add, c0, c1, nsc)
-
-    run_chunks(run, n, nchunks, k * bsize)
 
 
-def encode_chunks_direct(
-    x: np.ndarray,
-    hdr: CodecHeader,
-    seed: int,
-    meta: np.ndarray,
-    codes: np.ndarray,
-    k: int,
-    nchunks: int,
-    nsc: int,
-) -> bool:
+def _decode_args(hdr: CodecHeader, out: np.ndarray, add: bool) -> Callable[..., tuple]:
+    """The argument builder of :func:`_decode_range` for :func:`_run`."""
+    n, bits, bsize = hdr.numel, hdr.bits, hdr.bucket_size
+
+    def args(meta: Any, codes: Any, k: int, _key: Any, nsc: int, c0: int, c1: int) -> tuple:
+        return (codes, meta, n, bits, bsize, k, out, add, c0, c1, nsc)
+
+    return args
+
+
+def encode_chunks_direct(x: np.ndarray, hdr: CodecHeader, seed: int, meta: np.ndarray,
+                         codes: np.ndarray, k: int, nchunks: int, nsc: int) -> bool:  # fmt: skip
     """The kernels of :func:`encode_into` on a compressed segment whose header is written
     and whose meta (an aligned float32 view) and codes are given: for callers that
     checked everything once (:class:`.host_run.HostRun`). False, having written nothing,
     if the kernel is not compiled yet (then the caller runs the NumPy reference)."""
-    xk = _kernel_view(x)
     key = np.uint64(seed_key(seed)) if seed else _KEY0
-    n, bits, bsize, st = hdr.numel, hdr.bits, hdr.bucket_size, hdr.stochastic
-    if not _encode_range.ready((xk, n, bits, bsize, k, st, key, meta, codes, 0, 0, nsc, None), n):
-        return False
-
-    def run(c0: int, c1: int) -> None:
-        _encode_range(xk, n, bits, bsize, k, st, key, meta, codes, c0, c1, nsc, None)
-
-    run_chunks(run, n, nchunks, k * bsize)
-    return True
+    return _run(_encode_range, _encode_args(x, None, hdr, None), meta, codes, k, nchunks, key, nsc,
+                hdr)  # fmt: skip
 
 
-def decode_add_direct(
-    codes: np.ndarray,
-    meta: np.ndarray,
-    hdr: CodecHeader,
-    acc: np.ndarray,
-    k: int,
-    nchunks: int,
-    nsc: int,
-) -> bool:
+def decode_add_direct(codes: np.ndarray, meta: np.ndarray, hdr: CodecHeader, acc: np.ndarray,
+                      k: int, nchunks: int, nsc: int) -> bool:  # fmt: skip
     """The kernels of :func:`decode_add_into` on a compressed segment whose header was
     checked, its meta (an aligned float32 view) and codes given (as above; False, having
     added nothing, if the kernel is not compiled yet)."""
-    n, bits, bsize = hdr.numel, hdr.bits, hdr.bucket_size
-    if not _decode_range.ready((codes, meta, n, bits, bsize, k, acc, True, 0, 0, nsc), n):
-        return False
-
-    def run(c0: int, c1: int) -> None:
-        _decode_range(codes, meta, n, bits, bsize, k, acc, True, c0, c1, nsc)
-
-    run_chunks(run, n, nchunks, k * bsize)
-    return True
+    return _run(_decode_range, _decode_args(hdr, acc, True), meta, codes, k, nchunks, None, nsc,
+                hdr)  # fmt: skip
 
 
 def decode_into(buf: np.ndarray, hdr: CodecHeader, out: np.ndarray) -> None:
@@ -655,16 +660,15 @@ def decode_add_into(buf: np.ndarray, hdr: CodecHeader, acc: np.ndarray) -> None:
 
 
 def warmup(dtypes: tuple[Any, ...] = (np.float32,)) -> None:
-    """Compile (or load from the kernel cache) the kernels the collectives use for
-    ``dtypes``, on the calling thread, so that later calls run them at once.
-
-    Covers encode, decode_add and decode for ``dtypes``, and the requantization of a
-    float32 accumulator into each of them (the same kernels serve serial and parallel
-    calls, and both roundings). Without it each signature is compiled in the background
-    once calls need it, and calls run the NumPy reference until then.
-    """
+    """Compile (or load from the kernel cache), on the calling thread, the kernels the
+    collectives use for ``dtypes``: encode, decode_add and decode, and the requantization
+    of a float32 accumulator into each (serial and parallel calls, both roundings).
+    Without it each signature compiles in the background once calls need it, and calls
+    run the NumPy reference until then."""
     n = 8
     acc_hdr = CodecHeader(4, 1024, n, np.dtype(np.float32), False)
+    frozen_f32 = np.zeros(n, np.float32)
+    frozen_f32.flags.writeable = False
     with compiling_here():
         for dt in dtypes:
             x = np.zeros(n, dtype=dt)
@@ -683,6 +687,8 @@ def warmup(dtypes: tuple[Any, ...] = (np.float32,)) -> None:
             encode_decode_into(np.zeros(n, np.float32), acc_hdr, 0, buf, np.empty(n, dtype=dt))
             acc_buf = empty_bytes(acc_hdr.nbytes)
             encode_into(np.zeros(n, np.float32), acc_hdr, 0, acc_buf)
+            # The two-level allreduce encodes its sum with a node peer's mapped bytes.
+            encode_sum_into(np.zeros(n, np.float32), frozen_f32, acc_hdr, 0, acc_buf)
             out = empty_bytes(acc_hdr.nbytes)
             acc = np.zeros(n, np.float32)
             reduce_encode_into(acc_buf, acc_hdr, acc, 2, acc_hdr, 0, out, np.empty(n, dtype=dt))
