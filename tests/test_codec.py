@@ -979,3 +979,32 @@ def test_encode_sum_refuses_an_addend_unlike_x():
     for y in (np.ones(64, np.float16), np.ones(63, np.float32), np.ones(128, np.float32)[::2]):
         with pytest.raises(CodecError, match="y must be"):
             encode_sum(x, y, 4)
+
+
+@pytest.mark.parametrize("divisor", [0, 3])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_reduce_encode_adds_an_addend_first_in_the_same_pass(divisor, stochastic):
+    """reduce_encode(..., addend=y) is acc += y then reduce_encode, bit for bit (segment,
+    acc and decoded), in the host kernels' one pass (which runs here, compiled), with a
+    read-only addend; an addend unlike acc is a CodecError."""
+    rng = np.random.default_rng(divisor)
+    n = 3000
+    incoming = encode(rng.standard_normal(n).astype(np.float32), 4, 256)
+    acc0 = rng.standard_normal(n).astype(np.float32)
+    y = rng.standard_normal(n).astype(np.float32)
+    y.flags.writeable = False
+    want_acc, got_acc = acc0 + y, acc0.copy()
+    want_dec, got_dec = np.empty(n, np.float32), np.empty(n, np.float32)
+    kw = {"divisor": divisor, "stochastic": stochastic, "seed": 5}
+    want = reduce_encode(incoming, want_acc, 4, 256, decoded=want_dec, **kw)
+    with compiling_here():
+        got = reduce_encode(incoming, got_acc, 4, 256, decoded=got_dec, addend=y, **kw)
+        hdr = read_header(got)
+        assert cpu.reduce_encode_into(
+            incoming, read_header(incoming), acc0.copy(), divisor, hdr, 5, got.copy(),
+            np.empty(n, np.float32), y,
+        )  # fmt: skip
+    assert got.tobytes() == want.tobytes()
+    assert got_acc.tobytes() == want_acc.tobytes() and got_dec.tobytes() == want_dec.tobytes()
+    with pytest.raises(CodecError, match="addend"):
+        reduce_encode(incoming, acc0.copy(), 4, 256, decoded=got_dec, addend=y[:-1])

@@ -32,12 +32,13 @@ Uncompressed node-local bytes of host buffers do not travel through UCX
 segment of its own (:mod:`cgx_ucx.transport.shm`) and sends a descriptor in their place;
 the receiver maps the segment and reads them in place (the owner adds its peers' pieces
 straight from their segments; across nodes by SRA, the last peer's pieces are added as
-the encode reads them, :meth:`Hierarchical.fusable`). A segment is only reused once its readers are done: an
-owner's shard bytes (step 3) are released when each node peer's DONE frame (phase 5)
-arrived, the pieces a rank sent in step 1 when the owners' step-3 frames arrived (an
-owner sends those only after it has added them). Same bytes, same order of additions:
-the replicas stay bit-identical either way. The shared path sets a signature flag, so
-ranks configured differently raise a mismatch instead of misreading each other.
+the encode reads them, :meth:`Hierarchical.fusable`). A segment is only reused once its
+readers are done: an owner's shard bytes (step 3) are released when each node peer's
+DONE frame (phase 5) arrived, the pieces a rank sent in step 1 when the owners' step-3
+frames arrived (an owner sends those only after it has added them). Same bytes, same
+order of additions: the replicas stay bit-identical either way. The shared path sets a
+signature flag, so ranks configured differently raise a mismatch instead of misreading
+each other.
 
 Every replica on every node thus ends with the bytes the shard's owners computed from one
 cross-node allreduce: bit-identical. Ranks of local index ``>= S`` (uneven nodes, e.g.

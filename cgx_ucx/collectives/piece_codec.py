@@ -219,13 +219,19 @@ def reduce_requantize_piece(
     seed: int,
     seq: int,
     rank: int,
+    addend: Any = None,
 ) -> Any:
     """The owner's last contribution to a piece and its requantization at once:
+    ``acc[piece] += addend[piece]`` (when given: values laid out as ``acc``),
     ``decode_add_piece(buf, ...)``, ``acc[piece] /= divisor`` (when > 0), then
     ``requantize_piece(...)`` into ``out``, with the same bytes and values as those steps
     (one pass per compressed segment, :func:`~cgx_ucx.compression.reduce_encode`).
     ``buf`` is the peer's encoding of the piece (segments of the caller's dtype ``x.dtype``);
     returns the wire bytes."""
+    if addend is not None and _gpu_batch(acc, piece) is not None:
+        lo, hi = piece.segments[0].start - base, piece.segments[-1].stop - base
+        xp_of(acc).add(acc[lo:hi], addend[lo:hi], out=acc[lo:hi])
+        addend = None
     if _gpu_batch(acc, piece) is not None:  # the same steps, one launch each way
         decode_add_piece(buf, piece, acc, base, x.dtype)
         if divisor:  # the segments are consecutive: one division over the piece
@@ -240,8 +246,11 @@ def reduce_requantize_piece(
         n_in = seg.wire_nbytes(x.dtype)
         part_in = buf[pos_in : pos_in + n_in]
         a = acc[seg.start - base : seg.stop - base]
+        y = None if addend is None else addend[seg.start - base : seg.stop - base]
         dst = x[seg.start : seg.stop]
         if seg.bits == 32:
+            if y is not None:
+                xp_of(a).add(a, y, out=a)
             decode_add(part_in, a)
             if divisor:
                 xp_of(a).divide(a, divisor, out=a)
@@ -261,6 +270,7 @@ def reduce_requantize_piece(
                 out=out[pos : pos + n],
                 stochastic=stochastic,
                 seed=s,
+                addend=y,
             )
         pos_in += n_in
         pos += n

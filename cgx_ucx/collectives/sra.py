@@ -161,6 +161,8 @@ class Sra(PieceSteps):
         self.on_result = None if spec.raw else on_result
         self.addend = addend
         self.own = self.plan.chunks[r]
+        #: Our chunk's share of ``addend``, still to add (one peer: in its requantization).
+        self.own_addend = None if addend is None else addend[self.own.start : self.own.stop]
         #: Peers in send order (r+1, r+2, ...), so no rank is everyone's first target.
         self.peers = [(r + i) % n_world for i in range(1, n_world)]
         self.scatter = _Streams()
@@ -267,8 +269,9 @@ class Sra(PieceSteps):
         for p in self.peers:
             self.gather_tasks.append(asyncio.ensure_future(self.gather_recv(p)))
         acc = self.accumulator()
-        if self.addend is not None:
-            self.xp.add(acc, self.addend[own.start : own.stop], out=acc)
+        if self.own_addend is not None and len(self.peers) > 1:
+            self.xp.add(acc, self.own_addend, out=acc)
+            self.own_addend = None  # added: the pieces' requantization adds nothing more
         count = len(own.pieces)
         for k, piece in enumerate(own.pieces):
             if spec.raw:
@@ -341,6 +344,7 @@ class Sra(PieceSteps):
             spec.seed,
             self.call.seq,
             self.rank,
+            self.own_addend,
         )
         self.consumed(last, buf)
         return wire

@@ -394,18 +394,27 @@ def reduce_encode_with(
     out: Any = None,
     stochastic: bool = False,
     seed: int = 0,
+    addend: Any = None,
 ) -> Any:
     """:func:`reduce_encode` through a given backend module (used by :mod:`.reference`)."""
     buf = as_uint8_buffer(buf)
     hdr_in = read_header(buf)
     _check_acc(acc, hdr_in.numel, buf)
+    if addend is not None:
+        _same_kind(acc, addend, "addend")
+        if addend.dtype != acc.dtype or addend.shape != acc.shape:
+            raise CodecError(f"addend must be {acc.dtype} of shape {acc.shape}")
     if isinstance(divisor, bool) or not isinstance(divisor, int | np.integer) or divisor < 0:
         raise CodecError(f"divisor must be an integer >= 0, got {divisor!r}")
     hdr, seed, target = _encode_target(backend, acc, bits, bucket_size, out, stochastic, seed)
     _check_out(decoded, hdr.numel, acc, "decoded")
     fused = getattr(backend, "reduce_encode_into", None)
-    if fused is not None and fused(buf, hdr_in, acc, int(divisor), hdr, seed, target, decoded):
+    y = None if addend is None or not addend.flags.c_contiguous else addend
+    one_pass = fused is not None and (addend is None or y is not None)
+    if one_pass and fused(buf, hdr_in, acc, int(divisor), hdr, seed, target, decoded, y):
         return target
+    if addend is not None:
+        xp_of(acc).add(acc, addend, out=acc)
     if hdr_in.numel:
         backend.decode_add_into(buf, hdr_in, acc)
     if divisor:
@@ -566,13 +575,14 @@ def reduce_encode(
     out: Any = None,
     stochastic: bool = False,
     seed: int = 0,
+    addend: Any = None,
 ) -> Any:
-    """The owner's last step on a reduced piece: ``acc += decode(buf)`` (as
-    :func:`decode_add`), ``acc /= divisor`` when ``divisor`` > 0 (an average), then
-    ``encode_decode(acc, bits, bucket_size, decoded=decoded, ...)``. The result (segment,
-    ``acc``, ``decoded``) is bit for bit that of those three calls; the host kernels do
-    them in one pass where ``buf`` has the same width and bucket size as the output.
-    ``decoded`` may be ``acc`` itself. Returns the segment."""
+    """The owner's last step on a reduced piece: ``acc += addend`` when given (float32
+    like ``acc``), ``acc += decode(buf)`` (as :func:`decode_add`), ``acc /= divisor`` when
+    ``divisor`` > 0 (an average), then ``encode_decode(acc, bits, bucket_size,
+    decoded=decoded, ...)``. The result (segment, ``acc``, ``decoded``) is bit for bit that
+    of those calls; the host kernels do them in one pass where ``buf`` has the same width
+    and bucket size as the output. ``decoded`` may be ``acc`` itself. Returns the segment."""
     return reduce_encode_with(
         _backend_for(acc, getattr(acc, "size", 0)),
         buf,
@@ -584,6 +594,7 @@ def reduce_encode(
         out=out,
         stochastic=stochastic,
         seed=seed,
+        addend=addend,
     )
 
 

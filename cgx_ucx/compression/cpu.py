@@ -188,11 +188,9 @@ def _uniform(key, index):
 @njit
 def _bucket_meta(xb, levels):
     """(unit, min) of one bucket: min/max and the finiteness test in one vectorized pass.
-
     Min and max run on integer keys (the float bits with the magnitude flipped for
-    negatives, ordered like the floats) because integer min/max vectorize without
-    fast-math, float compare-select reductions do not.
-    """
+    negatives, ordered like the floats): integer min/max vectorize without fast-math,
+    float compare-select reductions do not."""
     kmn = np.int32(0x7FFFFFFF)
     kmx = np.int32(-0x80000000)
     bad = np.int32(0)
@@ -410,12 +408,13 @@ def _decode_range(codes, meta, n, bits, bsize, k, out, add, c0, c1, nsc):
 
 
 @njit
-def _reduce_encode_chunk(cin, min_, acc, n, bits, bsize, k, div, stochastic, key, meta, codes,
-                         chunk, sc, dec):  # fmt: skip
-    """Chunk ``chunk``: acc += decode(cin, min_) (as :func:`_decode_chunk` adds), acc /= div
-    when div > 0, then encode acc into (meta, codes) and decode it into ``dec`` (as
-    :func:`_encode_chunk` does), bucket by bucket while each is in L1. The incoming codes
-    of a bucket are consumed before its outgoing codes overwrite them in ``sc``."""
+def _reduce_encode_chunk(cin, min_, acc, y, n, bits, bsize, k, div, stochastic, key, meta,
+                         codes, chunk, sc, dec):  # fmt: skip
+    """Chunk ``chunk``: acc += y (None: nothing), acc += decode(cin, min_) (as
+    :func:`_decode_chunk` adds), acc /= div when div > 0, then encode acc into (meta, codes)
+    and decode it into ``dec`` (as :func:`_encode_chunk` does), bucket by bucket while each
+    is in L1. The incoming codes of a bucket are consumed before its outgoing codes
+    overwrite them in ``sc``."""
     levels = np.float32((1 << bits) - 1)
     b0, b1, cs, ce = _chunk_span(n, bsize, k, chunk)
     m = ce - cs
@@ -426,6 +425,10 @@ def _reduce_encode_chunk(cin, min_, acc, n, bits, bsize, k, div, stochastic, key
         s = b * bsize
         e = min(s + bsize, n)
         ab = acc[s:e]
+        if y is not None:  # compile-time, as in _encode_chunk
+            yb = y[s:e]
+            for i in range(ab.shape[0]):
+                ab[i] = ab[i] + yb[i]
         _dequantize(sc[s - cs : e - cs], ab, min_[2 * b], min_[2 * b + 1], True)
         if div > 0:
             d = np.float32(div)
@@ -440,11 +443,11 @@ def _reduce_encode_chunk(cin, min_, acc, n, bits, bsize, k, div, stochastic, key
 
 
 @Kernel
-def _reduce_encode_range(cin, min_, acc, n, bits, bsize, k, div, stochastic, key, meta, codes,
-                         c0, c1, nsc, dec):  # fmt: skip
+def _reduce_encode_range(cin, min_, acc, y, n, bits, bsize, k, div, stochastic, key, meta,
+                         codes, c0, c1, nsc, dec):  # fmt: skip
     sc = np.empty(nsc, dtype=np.uint8)
     for c in range(c0, c1):
-        _reduce_encode_chunk(cin, min_, acc, n, bits, bsize, k, div, stochastic, key, meta,
+        _reduce_encode_chunk(cin, min_, acc, y, n, bits, bsize, k, div, stochastic, key, meta,
                              codes, c, sc, dec)  # fmt: skip
 
 
@@ -499,20 +502,14 @@ def encode_decode_into(
         decode_into(buf, hdr, decoded)
 
 
-def reduce_encode_into(
-    buf_in: np.ndarray,
-    hdr_in: CodecHeader,
-    acc: np.ndarray,
-    divisor: int,
-    hdr: CodecHeader,
-    seed: int,
-    buf: np.ndarray,
-    decoded: np.ndarray,
-) -> bool:
-    """acc += decode(buf_in); acc /= divisor (when > 0); encode acc into ``buf`` and
-    ``decoded`` = decode(buf), in one pass. False (nothing done) where the pass does not
-    apply: widths or buckets that differ in and out, uncompressed segments, an exotic
-    ``decoded`` dtype, ``decoded`` overlapping ``acc`` shifted, or a kernel not compiled yet."""
+def reduce_encode_into(buf_in: np.ndarray, hdr_in: CodecHeader, acc: np.ndarray, divisor: int,
+                       hdr: CodecHeader, seed: int, buf: np.ndarray, decoded: np.ndarray,
+                       y: np.ndarray | None = None) -> bool:  # fmt: skip
+    """acc += y (when given, float32); acc += decode(buf_in); acc /= divisor (when > 0);
+    encode acc into ``buf`` and ``decoded`` = decode(buf), in one pass. False (nothing
+    done) where the pass does not apply: widths or buckets that differ in and out,
+    uncompressed segments, an exotic ``decoded`` dtype, ``decoded`` overlapping ``acc``
+    shifted, or a kernel not compiled yet."""
     dec = _kernel_view(decoded)
     same = (hdr_in.bits, hdr_in.bucket_size, hdr_in.numel) == (hdr.bits, hdr.bucket_size, hdr.numel)
     if not same or hdr.raw or dec is None or acc.dtype != np.float32:
@@ -524,8 +521,8 @@ def reduce_encode_into(
     n, bits, bsize, div, st = hdr.numel, hdr.bits, hdr.bucket_size, divisor, hdr.stochastic
 
     def args(meta: Any, codes: Any, k: int, key: Any, nsc: int, c0: int, c1: int) -> tuple:
-        return (codes_in, meta_in, acc, n, bits, bsize, k, div, st, key, meta, codes, c0, c1,
-                nsc, dec)  # fmt: skip
+        return (codes_in, meta_in, acc, y, n, bits, bsize, k, div, st, key, meta, codes, c0,
+                c1, nsc, dec)  # fmt: skip
 
     return _encode_chunks(hdr, seed, buf, _reduce_encode_range, args)
 
@@ -692,6 +689,8 @@ def warmup(dtypes: tuple[Any, ...] = (np.float32,)) -> None:
             out = empty_bytes(acc_hdr.nbytes)
             acc = np.zeros(n, np.float32)
             reduce_encode_into(acc_buf, acc_hdr, acc, 2, acc_hdr, 0, out, np.empty(n, dtype=dt))
+            # and with a node peer's mapped bytes added (the two-level allreduce's owner)
+            reduce_encode_into(acc_buf, acc_hdr, acc, 0, acc_hdr, 0, out, acc, frozen_f32)
 
 
 def warm_up() -> None:
