@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from cgx_ucx.bench import netns
+from cgx_ucx.bench.iproute import COMMAND_TIMEOUT_S
 from cgx_ucx.bench.netns import LinkEmulator, cleanup_stale, parse_rate
 from cgx_ucx.errors import CGXError, CGXTimeoutError, ConfigError, TransportError
 
@@ -247,12 +248,14 @@ def test_leftovers_of_a_killed_run_are_removed_at_next_start() -> None:
 
 @needs_netns
 @pytest.mark.netns
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 42), (signal.SIGTERM, -signal.SIGTERM)])
 def test_signals_tear_down_and_reraise(sig: signal.Signals, code: int) -> None:
     child, names, sleeper = _start_child("signal")
     child.send_signal(sig)
-    assert child.wait(timeout=15) == code
+    # The teardown's ip calls may each take up to iproute.COMMAND_TIMEOUT_S on a loaded
+    # host; a child whose handler never ran sleeps on past this wait (60 s) and fails it.
+    assert child.wait(timeout=2 * COMMAND_TIMEOUT_S + 5) == code
     assert not set(names) & _namespaces()
     assert not _alive(sleeper)
 
