@@ -228,11 +228,10 @@ def reduce_requantize_piece(
     (one pass per compressed segment, :func:`~cgx_ucx.compression.reduce_encode`).
     ``buf`` is the peer's encoding of the piece (segments of the caller's dtype ``x.dtype``);
     returns the wire bytes."""
-    if addend is not None and _gpu_batch(acc, piece) is not None:
-        lo, hi = piece.segments[0].start - base, piece.segments[-1].stop - base
-        xp_of(acc).add(acc[lo:hi], addend[lo:hi], out=acc[lo:hi])
-        addend = None
     if _gpu_batch(acc, piece) is not None:  # the same steps, one launch each way
+        if addend is not None:  # the segments are consecutive: one addition over the piece
+            lo, hi = piece.segments[0].start - base, piece.segments[-1].stop - base
+            xp_of(acc).add(acc[lo:hi], addend[lo:hi], out=acc[lo:hi])
         decode_add_piece(buf, piece, acc, base, x.dtype)
         if divisor:  # the segments are consecutive: one division over the piece
             a = acc[piece.segments[0].start - base : piece.segments[-1].stop - base]

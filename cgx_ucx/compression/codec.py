@@ -300,6 +300,16 @@ def _check_out(out: Any, numel: int, buf: Any, what: str = "out") -> None:
         raise CodecError(f"{what} is read-only")
 
 
+def _check_addend(x: Any, y: Any, what: str) -> None:
+    """``y``, added to ``x`` as a codec step reads it, is contiguous values of ``x``'s
+    dtype, shape and device, else CodecError."""
+    _same_kind(x, y, what)
+    if y.dtype != x.dtype or y.shape != x.shape or not y.flags.c_contiguous:
+        raise CodecError(
+            f"{what} must be contiguous {x.dtype} of shape {x.shape}, got {y.dtype} {y.shape}"
+        )
+
+
 # ---------------------------------------------------------------------------------------
 # encode / decode / decode_add, generic over a backend module
 
@@ -401,17 +411,15 @@ def reduce_encode_with(
     hdr_in = read_header(buf)
     _check_acc(acc, hdr_in.numel, buf)
     if addend is not None:
-        _same_kind(acc, addend, "addend")
-        if addend.dtype != acc.dtype or addend.shape != acc.shape:
-            raise CodecError(f"addend must be {acc.dtype} of shape {acc.shape}")
+        _check_addend(acc, addend, "addend")
     if isinstance(divisor, bool) or not isinstance(divisor, int | np.integer) or divisor < 0:
         raise CodecError(f"divisor must be an integer >= 0, got {divisor!r}")
     hdr, seed, target = _encode_target(backend, acc, bits, bucket_size, out, stochastic, seed)
     _check_out(decoded, hdr.numel, acc, "decoded")
     fused = getattr(backend, "reduce_encode_into", None)
-    y = None if addend is None or not addend.flags.c_contiguous else addend
-    one_pass = fused is not None and (addend is None or y is not None)
-    if one_pass and fused(buf, hdr_in, acc, int(divisor), hdr, seed, target, decoded, y):
+    if fused is not None and fused(
+        buf, hdr_in, acc, int(divisor), hdr, seed, target, decoded, addend
+    ):
         return target
     if addend is not None:
         xp_of(acc).add(acc, addend, out=acc)
@@ -524,11 +532,7 @@ def encode_sum(
     (same dtype, length and device, contiguous), read-only allowed."""
     backend = _backend_for(x, getattr(x, "size", 0))
     hdr, seed, buf = _encode_target(backend, x, bits, bucket_size, out, stochastic, seed)
-    _same_kind(x, y, "y")
-    if y.dtype != x.dtype or y.shape != x.shape or not y.flags.c_contiguous:
-        raise CodecError(
-            f"y must be contiguous {x.dtype} of shape {x.shape}, got {y.dtype} {y.shape}"
-        )
+    _check_addend(x, y, "y")
     fused = getattr(backend, "encode_sum_into", None)
     if fused is not None and x.dtype == np.float32:
         fused(x, y, hdr, seed, buf)

@@ -664,8 +664,9 @@ def warmup(dtypes: tuple[Any, ...] = (np.float32,)) -> None:
     run the NumPy reference until then."""
     n = 8
     acc_hdr = CodecHeader(4, 1024, n, np.dtype(np.float32), False)
-    frozen_f32 = np.zeros(n, np.float32)
-    frozen_f32.flags.writeable = False
+    acc, peer = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    peer.flags.writeable = False  # a node peer's mapped bytes
+    acc_buf, out = empty_bytes(acc_hdr.nbytes), empty_bytes(acc_hdr.nbytes)
     with compiling_here():
         for dt in dtypes:
             x = np.zeros(n, dtype=dt)
@@ -682,15 +683,12 @@ def warmup(dtypes: tuple[Any, ...] = (np.float32,)) -> None:
             if dt == np.float32:
                 decode_into(frozen, hdr, np.empty(n, dtype=dt))
             encode_decode_into(np.zeros(n, np.float32), acc_hdr, 0, buf, np.empty(n, dtype=dt))
-            acc_buf = empty_bytes(acc_hdr.nbytes)
             encode_into(np.zeros(n, np.float32), acc_hdr, 0, acc_buf)
-            # The two-level allreduce encodes its sum with a node peer's mapped bytes.
-            encode_sum_into(np.zeros(n, np.float32), frozen_f32, acc_hdr, 0, acc_buf)
-            out = empty_bytes(acc_hdr.nbytes)
-            acc = np.zeros(n, np.float32)
             reduce_encode_into(acc_buf, acc_hdr, acc, 2, acc_hdr, 0, out, np.empty(n, dtype=dt))
-            # and with a node peer's mapped bytes added (the two-level allreduce's owner)
-            reduce_encode_into(acc_buf, acc_hdr, acc, 0, acc_hdr, 0, out, acc, frozen_f32)
+        # The two-level allreduce's sums with a node peer's bytes: encoded, and added by
+        # the owner's requantization (float32 only).
+        encode_sum_into(acc, peer, acc_hdr, 0, acc_buf)
+        reduce_encode_into(acc_buf, acc_hdr, acc, 0, acc_hdr, 0, out, acc, peer)
 
 
 def warm_up() -> None:
