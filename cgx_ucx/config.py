@@ -482,9 +482,6 @@ def mailbox_kernels_mode(env: Mapping[str, str] | None = None) -> str:
 
 
 _COMPRESSION_ENV = (ENV_BITS, ENV_BUCKET_SIZE, ENV_MINIMAL_SIZE, ENV_STOCHASTIC)
-#: resolve_compression results by (base, keywords, the four variables' raw values).
-_resolved: dict[tuple[Any, ...], CompressionConfig] = {}
-_RESOLVED_MAX = 64
 
 
 def resolved_compression(
@@ -495,18 +492,21 @@ def resolved_compression(
     hooks and backends ask on every call (the environment may change between calls), and
     resolving costs tens of microseconds. Errors are raised as resolve_compression's."""
     params = params or {}
+    key = (base, tuple(sorted(params.items())), tuple(read_env(n) for n in _COMPRESSION_ENV))
     try:
-        key = (base, tuple(sorted(params.items())), *(read_env(n) for n in _COMPRESSION_ENV))
         hash(key)
     except TypeError:  # an unhashable keyword value: resolve_compression names what is wrong
         return resolve_compression(base, **params)
-    config = _resolved.get(key)
-    if config is None:
-        config = resolve_compression(base, **params)
-        if len(_resolved) >= _RESOLVED_MAX:
-            _resolved.clear()
-        _resolved[key] = config
-    return config
+    return _resolved(*key)
+
+
+@functools.lru_cache(maxsize=64)
+def _resolved(
+    base: CompressionConfig | None, params: tuple[tuple[str, Any], ...], values: tuple
+) -> CompressionConfig:
+    """resolve_compression with the four variables' ``values`` as its environment."""
+    env = {n: v for n, v in zip(_COMPRESSION_ENV, values, strict=True) if v is not None}
+    return resolve_compression(base, env, **dict(params))
 
 
 def compression_from_env() -> CompressionConfig:

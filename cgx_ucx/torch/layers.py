@@ -16,6 +16,7 @@ Shared by the DDP hook (:func:`~cgx_ucx.torch.hook.cgx_hook`) and
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -54,27 +55,16 @@ def layer_layout(
 
     A tensor is compressed when compression is on, it is floating point, it has more
     than one dimension and at least ``max(layer_min_size, config.minimal_size)`` values
-    (:func:`compressible`). The layout depends only on the tensors' sizes, ranks and
-    dtypes: a bucket seen again (every step) gets the layout built the first time.
+    (:func:`compressible`). A bucket seen again (every step: the same sizes and rule
+    answers) gets the layout built the first time.
     """
-    key = (config, layer_min_size, tuple((t.numel(), t.dim(), t.dtype) for t in tensors))
-    layout = _layouts.get(key)
-    if layout is None:
-        layout = Layout.from_sizes(
-            [t.numel() for t in tensors],
-            config,
-            compressible=[compressible(t, config, layer_min_size) for t in tensors],
-        )
-        if len(_layouts) >= _LAYOUTS_MAX:
-            _layouts.clear()
-        _layouts[key] = layout
-    return layout
+    sizes = tuple(t.numel() for t in tensors)
+    return _layout(config, sizes, tuple(compressible(t, config, layer_min_size) for t in tensors))
 
 
-#: layer_layout's results by (config, layer_min_size, the tensors' sizes, ranks, dtypes).
-_layouts: dict[tuple, Layout] = {}
-#: Kept at most (a model's buckets under a few configurations).
-_LAYOUTS_MAX = 256
+@functools.lru_cache(maxsize=256)  # a model's buckets under a few configurations
+def _layout(config: CompressionConfig, sizes: tuple[int, ...], flags: tuple[bool, ...]) -> Layout:
+    return Layout.from_sizes(list(sizes), config, compressible=list(flags))
 
 
 def layer_wire_bytes(spec: LayerSpec, itemsize: int) -> int:
