@@ -412,8 +412,7 @@ class Hierarchical(PieceSteps):
             self.shm
             and self.intra_raw
             and bool(self.node_peers)
-            and not self.fused
-            and self.spec.inplace
+            and self.spec.inplace  # (so the accumulator is x itself, not fused into)
             and self.dtype == np.float32
             and not cross.raw
             and cross.algorithm == Algo.SRA
