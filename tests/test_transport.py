@@ -337,6 +337,60 @@ def test_tcp_only_transports_send_eagerly(monkeypatch, tls, eager):
 
 
 @pytest.mark.parametrize(
+    "tls,families",
+    [
+        (None, {"tcp", "mm"}),
+        ("", {"tcp", "mm"}),
+        ("all", {"tcp", "mm"}),
+        ("tcp", {"tcp"}),
+        ("TCP,self", {"tcp"}),
+        ("^sm", {"tcp"}),
+        ("^posix", {"tcp", "mm"}),  # sysv still loads
+        ("^posix,sysv", {"tcp"}),
+        ("sm,self", {"mm"}),
+        ("posix,tcp", {"tcp", "mm"}),
+        ("^tcp", {"mm"}),
+        ("rc,cuda_ipc", set()),
+    ],
+)
+def test_ucx_defaults_only_for_transports_ucx_loads(monkeypatch, tls, families):
+    """A default for a transport family UCX_TLS keeps UCX from loading is not set: UCX
+    would print "unused environment variable" for it at every start."""
+    for name in ucx_env.UCX_DEFAULTS:
+        monkeypatch.delenv(name, raising=False)
+    if tls is None:
+        monkeypatch.delenv("UCX_TLS", raising=False)
+    else:
+        monkeypatch.setenv("UCX_TLS", tls)
+    applied = ucx_env.apply_env_defaults()
+    got = {"tcp" for n in applied if n.startswith("UCX_TCP_")}
+    got |= {"mm" for n in applied if n.startswith("UCX_MM_")}
+    assert got == families
+    assert ucx_env.tcp_excluded() == ("tcp" not in families)
+
+
+async def connect_only(ctx):
+    from cgx_ucx import CommConfig, connect
+
+    cfg = CommConfig(timeout=20, connect_timeout=15)
+    async with await connect(ctx.store, ctx.rank, ctx.world_size, config=cfg):
+        return "connected"
+
+
+@pytest.mark.timeout(90)
+def test_ucx_tls_without_tcp_fails_to_connect_with_a_hint():
+    """UCX connects endpoints to an address through its TCP connection manager: with
+    UCX_TLS=sm,self every rank fails to connect, and the error says what to add."""
+    results = run_ranks(connect_only, 2, timeout=80, check=False, env={"UCX_TLS": "sm,self"})
+    for r in results:
+        assert not r.ok
+        assert "RendezvousError" in r.traceback or "PeerFailedError" in r.traceback
+    assert any("UCX_TLS=sm,self leaves out tcp" in r.traceback for r in results), [
+        r.traceback[-400:] for r in results
+    ]
+
+
+@pytest.mark.parametrize(
     "launcher,multi",
     [
         ({}, False),  # no launcher

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 from typing import Any
 
@@ -290,6 +291,13 @@ class MeshSetup(MeshControl):
             _ucx.release_abandoned_endpoints(exc)
             lost = await self._peer_lost(rdzv, r, addr)
             text = f"cannot connect to {where}: {exc or type(exc).__name__}"
+            if _ucx.tcp_excluded():
+                text += (
+                    f" (UCX_TLS={os.environ['UCX_TLS']} leaves out tcp: UCX connects "
+                    "endpoints to an address through TCP's connection manager where no "
+                    "RDMA one is available; add it, e.g. UCX_TLS=sm,self,tcp: shared "
+                    "memory still carries the data between processes of one host)"
+                )
             raise RendezvousError(
                 f"{lost} (rank {self.rank} {text})" if lost else f"rank {self.rank}: {text}"
             ) from exc

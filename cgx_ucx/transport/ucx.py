@@ -61,17 +61,32 @@ __all__ = [
     "multi_node_defaults",
     "release",
     "release_abandoned_endpoints",
+    "tcp_excluded",
+    "transport_defaults",
     "ucxx_module",
 ]
 
 log = logging.getLogger("cgx_ucx.transport")
 
 #: UCX variables set when the user did not set them (see the module docstring for the
-#: measurements behind each value).
+#: measurements behind each value). Each belongs to one family of transports and is set
+#: only where UCX_TLS lets that family load (:func:`transport_defaults`): UCX prints
+#: "unused environment variable" at every start for a setting of a transport it did not
+#: load (UCX_MM_ERROR_HANDLING under UCX_TLS=tcp, say).
 UCX_DEFAULTS: dict[str, str] = {
     "UCX_TCP_TX_SEG_SIZE": "256K",
     "UCX_TCP_RX_SEG_SIZE": "1M",
     "UCX_MM_ERROR_HANDLING": "y",
+}
+#: Per family of :data:`UCX_DEFAULTS` (by prefix): the UCX_TLS names that load it
+#: (aliases included: "sm"/"shm" = the shared-memory transports, "mm" = posix and sysv),
+#: and the sets of names any one of which, excluded (``^...``), leaves none of it.
+_FAMILIES: dict[str, tuple[frozenset[str], tuple[frozenset[str], ...]]] = {
+    "UCX_TCP_": (frozenset({"all", "tcp"}), (frozenset({"tcp"}),)),
+    "UCX_MM_": (
+        frozenset({"all", "sm", "shm", "mm", "posix", "sysv", "xpmem"}),
+        (frozenset({"sm"}), frozenset({"shm"}), frozenset({"mm"}), frozenset({"posix", "sysv"})),
+    ),
 }
 
 #: Set too when UCX_TLS names only TCP (the link emulator, TCP-only clusters): UCX's
@@ -150,15 +165,44 @@ def apply_env_defaults(extra: Mapping[str, str] | None = None) -> dict[str, str]
     created). Returns the variables it actually set.
     """
     applied = {}
-    defaults = dict(UCX_DEFAULTS)
+    tls = os.environ.get("UCX_TLS", "")
+    defaults = transport_defaults(tls)
     defaults.update(multi_node_defaults())
-    if _tcp_only(os.environ.get("UCX_TLS", "")):
+    if _tcp_only(tls):
         defaults.update(TCP_ONLY_DEFAULTS)
     for name, value in {**defaults, **(extra or {})}.items():
         if name not in os.environ or _set_by_ucxx(name):
             os.environ[name] = value
             applied[name] = value
     return applied
+
+
+def _loads(tls: str, prefix: str) -> bool:
+    """Whether UCX_TLS ``tls`` lets UCX load the transport family of ``prefix``
+    (:data:`_FAMILIES`): always when empty; unless excluded by a ``^...`` list; if named
+    by a list of transports."""
+    excluding = tls.lstrip().startswith("^")
+    names = {t.strip().lower() for t in tls.lstrip().lstrip("^").split(",") if t.strip()}
+    loads, covers = _FAMILIES[prefix]
+    if excluding:
+        return not any(c <= names for c in covers)
+    return not names or bool(names & loads)
+
+
+def transport_defaults(tls: str) -> dict[str, str]:
+    """The entries of :data:`UCX_DEFAULTS` of the transports UCX_TLS ``tls`` lets load."""
+    return {
+        name: value
+        for name, value in UCX_DEFAULTS.items()
+        if _loads(tls, next(p for p in _FAMILIES if name.startswith(p)))
+    }
+
+
+def tcp_excluded(tls: str | None = None) -> bool:
+    """Whether UCX_TLS (``tls``, default: the environment's) keeps UCX from loading TCP,
+    which it needs to connect endpoints to a listener's address (its "tcp" connection
+    manager): every rank's connect then fails as "Destination is unreachable"."""
+    return not _loads(os.environ.get("UCX_TLS", "") if tls is None else tls, "UCX_TCP_")
 
 
 def _set_by_ucxx(name: str) -> bool:
