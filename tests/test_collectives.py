@@ -344,7 +344,7 @@ async def one_node_uncompressed(ctx):
     original = hierarchical.Hierarchical.run
 
     async def counted(self):
-        runs.append(self.spec.topology.num_nodes)
+        runs.append((self.spec.topology.num_nodes, self.requantizes))
         await original(self)
 
     hierarchical.Hierarchical.run = counted
@@ -356,7 +356,7 @@ async def one_node_uncompressed(ctx):
             await comm.allreduce(x, op)
             out.append(x)
         compressed = smooth_data(ctx.rank, n)
-        await comm.allreduce(compressed, bits=4)  # compressed: flat, quantized as asked
+        await comm.allreduce(compressed, bits=4)
         return out, runs, compressed
 
 
@@ -367,7 +367,8 @@ def test_one_node_uncompressed_allreduce_goes_through_shared_segments():
     results = run_ranks(one_node_uncompressed, 3, timeout=80)
     n = 3 * (4 << 20) // 4 + 12_345
     for out, runs, compressed in results:
-        assert runs == [1, 1, 1], runs  # the three uncompressed calls, on one node
+        # The three uncompressed calls, then the compressed one, on one node.
+        assert runs == [(1, False)] * 3 + [(1, True)], runs
         for got, first in zip(out, results[0][0], strict=True):
             assert got.tobytes() == first.tobytes()
         assert compressed.tobytes() == results[0][2].tobytes()
@@ -379,3 +380,55 @@ def test_one_node_uncompressed_allreduce_goes_through_shared_segments():
     )
     exact = sum(smooth_data(r, n).astype(np.float64) for r in range(3))
     assert 0 < np.max(np.abs(results[0][2] - exact)) < 0.1 * np.max(np.abs(exact))
+
+
+async def one_node_compressed(ctx, n):
+    from cgx_ucx.collectives import hierarchical
+
+    runs = []
+    original = hierarchical.Hierarchical.run
+
+    async def counted(self):
+        runs.append(self.requantizes)
+        await original(self)
+
+    hierarchical.Hierarchical.run = counted
+    mixed = Layout(
+        (
+            LayerSpec(0, n // 2, 4, 512),
+            LayerSpec(n // 2, 1000),  # a bias-like layer at 32 bits
+            LayerSpec(n // 2 + 1000, n - n // 2 - 1000, 2, 256),
+        )
+    )
+    cases = [dict(bits=4), dict(bits=8, op="avg"), dict(layout=mixed), dict(bits=2, op="avg")]
+    out = []
+    async with await connect(ctx.store, ctx.rank, ctx.world_size, config=CFG) as comm:
+        for kw in cases:
+            shared, flat = smooth_data(ctx.rank, n), smooth_data(ctx.rank, n)
+            await comm.allreduce(shared, **kw)
+            await comm.allreduce(flat, algorithm="sra", **kw)
+            out.append((shared, flat))
+        stochastic = smooth_data(ctx.rank, n)
+        await comm.allreduce(stochastic, bits=4, stochastic=True, seed=7)
+        return out, runs, stochastic
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [3, 4])
+def test_one_node_compressed_allreduce_is_sra_through_shared_segments(world):
+    """A compressed float32 allreduce of ranks of one host goes through the node's shared
+    segments: every rank ends with SRA's bytes exactly (sum and avg, mixed widths with a
+    32-bit layer), stochastic rounding leaves every replica bit-identical, and the error
+    stays within SRA's bound."""
+    n = world * (4 << 20) // 4 + 12_345  # several pieces a chunk, and a ragged end
+    results = run_ranks(one_node_compressed, world, args=(n,), timeout=110)
+    for out, runs, stochastic in results:
+        # The shared path ran for each case and the stochastic call, never for "sra".
+        assert runs == [True] * 5, runs
+        for shared, flat in out:
+            assert shared.tobytes() == flat.tobytes()
+        assert stochastic.tobytes() == results[0][2].tobytes()
+    xs = [smooth_data(r, n) for r in range(world)]
+    exact = sum(x.astype(np.float64) for x in xs)
+    err = np.abs(results[0][0][0][0] - exact)
+    assert np.max(err) > 0 and np.all(err <= _bound(xs, 4, 1024, "sra"))

@@ -119,7 +119,9 @@ def test_one_node_runs_uncompressed_host_buffers_through_shared_segments():
     if not shm.available():
         pytest.skip("no node-local shared memory here")
     assert hierarchical_scheme("auto", False, one, None, raw_host=True) == "sharded"
-    assert hierarchical_scheme("auto", False, one, None) is None  # compressed, or GPU
+    assert hierarchical_scheme("auto", False, one, None) is None  # GPU, or not float32
+    assert hierarchical_scheme("auto", False, one, None, compressed_host=True) == "sharded"
+    assert hierarchical_scheme("auto", False, two, None, compressed_host=True) is None
     assert hierarchical_scheme("auto", True, one, None, raw_host=True) is None  # one round
     assert hierarchical_scheme("auto", False, two, None, raw_host=True) is None
     assert hierarchical_scheme("ring", False, one, None, raw_host=True) is None
@@ -425,4 +427,10 @@ def test_one_node_shared_segments_need_the_groups_mailboxes():
     _, (_, spec) = prepare_allreduce(x, **kw)  # no mailboxes
     assert spec.algorithm == Algo.SRA
     _, (_, spec) = prepare_allreduce(x, bits=4, oneshot_limit=LOCAL_ONESHOT_BYTES, **kw)
-    assert spec.algorithm == Algo.SRA  # compressed: quantized as asked
+    assert spec.algorithm == Algo.HIERARCHICAL  # SRA's steps through the segments
+    assert spec.intra_compress and spec.intra_shm
+    _, (_, spec) = prepare_allreduce(x, bits=4, **kw)  # no mailboxes
+    assert spec.algorithm == Algo.SRA
+    half = x.astype(np.float16)
+    _, (_, spec) = prepare_allreduce(half, bits=4, oneshot_limit=LOCAL_ONESHOT_BYTES, **kw)
+    assert spec.algorithm == Algo.SRA  # float16: its float32 accumulator stays flat

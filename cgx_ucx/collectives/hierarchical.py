@@ -50,8 +50,11 @@ On a single node the same steps are the uncompressed allreduce of host buffers u
 skipped): every rank copies each other rank's shard into its segment once, owners add
 in place and every rank copies the result out, where the flat algorithms push every byte
 through UCX's shared-memory transport (8 KiB fragments, two copies, a rendezvous per
-piece). Compressed layouts keep the flat algorithms there, so the bytes are quantized
-as asked.
+piece). A float32 buffer of a compressed layout runs SRA's steps the same way, with the
+same bytes and values: every rank encodes the pieces of its peers' chunks into its
+segment, each owner adds them from there in rank order, requantizes its chunk into its
+own segment (decoding it into its buffer) and every rank decodes those wire bytes into
+its buffer, without a byte of payload through UCX.
 
 Stages that share a phase number talk to disjoint peers (node peers in 1 and 3, other
 nodes in 2), so ranks that disagree on the algorithm still meet on phase 1 and raise
@@ -82,7 +85,7 @@ from .hierarchical_plan import (
     shard_layout,
     sub_chunk,
 )
-from .piece_codec import decode_add_piece, decode_piece
+from .piece_codec import decode_add_piece, decode_piece, reduce_requantize_piece
 from .plan import Chunk
 from .reduction import AllreduceSpec, PieceSteps
 from .ring import ring
@@ -146,6 +149,9 @@ class Hierarchical(PieceSteps):
         self.owns = self.local in self.owners
         self.intra_raw = not spec.intra_compress
         self.shm = spec.intra_shm
+        #: One node, compressed, through shared segments (:func:`hierarchical_spec`): the
+        #: owners requantize their chunks as SRA's do and share the wire bytes.
+        self.requantizes = self.shm and not self.intra_raw
         loop = asyncio.get_running_loop()
         own = self.plan.chunks[self.local].pieces if self.owns else ()
         #: Per (node peer, piece of our shard): the bytes it sent, once they arrived.
@@ -207,7 +213,12 @@ class Hierarchical(PieceSteps):
                 if k >= len(pieces):
                     continue
                 piece = pieces[k]
-                if self.shm:
+                if self.requantizes:
+                    pos, n = self.wire_table(j)[k]
+                    seg = segments[j]
+                    await self.encode(x, 0, piece, dst=seg.array[pos : pos + n])
+                    payload = seg.describe(pos, n).pack()
+                elif self.shm:
                     payload = self.share(segments[j], self.plan.chunks[j], piece)
                 elif self.intra_raw:
                     payload = self.view(x, 0, piece)
@@ -221,8 +232,29 @@ class Hierarchical(PieceSteps):
 
     # -- the shared-memory path (host buffers, uncompressed node-local bytes) ------------
     def segment(self, j: int) -> Any:
-        """A segment for owner ``j``'s whole shard (this call holds it until it ends)."""
+        """A segment for owner ``j``'s whole shard (this call holds it until it ends):
+        its values, or its pieces' wire bytes where they are encoded."""
+        if self.requantizes:
+            return self.call.take_segment(max(self.wire_total(j), 1))
         return self.call.take_segment(self.plan.chunks[j].numel * self.dtype.itemsize)
+
+    def wire_table(self, j: int) -> list[tuple[int, int]]:
+        """(offset, bytes) of the wire bytes of each piece of chunk ``j`` kept back to back;
+        made once per spec."""
+        key = ("hier_wire", j, self.dtype)
+        table = self.spec.memo.get(key)
+        if table is None:
+            table, pos = [], 0
+            for piece in self.plan.chunks[j].pieces:
+                n = piece.wire_nbytes(self.dtype)
+                table.append((pos, n))
+                pos += n
+            self.spec.memo[key] = table
+        return table
+
+    def wire_total(self, j: int) -> int:
+        table = self.wire_table(j)
+        return table[-1][0] + table[-1][1] if table else 0
 
     def describe(self, seg: Any, chunk: Chunk, piece: Any) -> Any:
         """The packed descriptor of ``piece`` in ``seg`` (laid out as ``chunk``)."""
@@ -240,7 +272,7 @@ class Hierarchical(PieceSteps):
     async def recv_shared(self, peer: int, frame: Any, piece: Any) -> Any:
         """The bytes of ``piece`` that node peer ``peer`` described in ``frame``'s
         payload, read-only in its segment."""
-        return await self.recv_described(peer, frame, piece.numel * self.dtype.itemsize)
+        return await self.recv_described(peer, frame, self.intra_nbytes(piece))
 
     async def recv_described(self, peer: int, frame: Any, nbytes: int) -> Any:
         """The ``nbytes`` that node peer ``peer`` described in ``frame``'s payload,
@@ -318,6 +350,9 @@ class Hierarchical(PieceSteps):
         chunk = self.plan.chunks[self.local]
         groups = self.hspec.groups[self.local]
         acc = self.accumulator(chunk)
+        if self.requantizes:
+            await self.requantize_and_share(chunk, acc)
+            return
         seg = self.acc_segment
         forward = self.forwards(self.local) and bool(self.node_peers)
         tables = [result_table(cross, self.dtype) for _, cross, _ in groups] if forward else []
@@ -402,6 +437,51 @@ class Hierarchical(PieceSteps):
                     )
                 )
 
+    async def requantize_and_share(self, chunk: Chunk, acc: Any) -> None:
+        """One node, compressed (:attr:`requantizes`): each piece of our chunk reduced as
+        SRA's owner does (node peers in order, the last one's piece added, the average
+        taken and the sum requantized in one pass, decoded into the caller's buffer),
+        its wire bytes written into our segment and described to every node peer, which
+        decodes them; the segment is ours until each of them said it is done."""
+        seg = self.call.take_segment(max(self.wire_total(self.local), 1))
+        table = self.wire_table(self.local)
+        *first, last = self.node_peers
+        count = len(chunk.pieces)
+        spec = self.spec
+        for k, piece in enumerate(chunk.pieces):
+            for p in first:
+                buf = await self.arrived[(p, k)]
+                await self.codec.run(
+                    piece.numel, decode_add_piece, buf, piece, acc, chunk.start, self.dtype
+                )
+            buf = await self.arrived[(last, k)]
+            pos, n = table[k]
+            await self.codec.run(
+                piece.numel,
+                reduce_requantize_piece,
+                buf,
+                piece,
+                acc,
+                chunk.start,
+                self.x,
+                self.n_world if spec.avg else 0,
+                seg.array[pos : pos + n],
+                spec.stochastic,
+                spec.seed,
+                self.call.seq,
+                self.rank,
+            )
+            payload = seg.describe(pos, n).pack()
+            self.tasks.extend(
+                asyncio.ensure_future(self.node.send(p, PH_HIER_GATHER, k, payload, count))
+                for p in self.node_peers
+            )
+        synchronize(self.x)
+        self.tasks.extend(
+            asyncio.ensure_future(self.node.recv_header(p, PH_HIER_DONE, 0))
+            for p in self.node_peers
+        )
+
     def fusable(self, cross: AllreduceSpec, group: StageCall) -> bool:
         """Whether the last node peer's pieces can be added by the cross-node stage as it
         encodes (:func:`~.sra.sra`'s addend) instead of by :meth:`reduce`: float32 host
@@ -472,6 +552,18 @@ class Hierarchical(PieceSteps):
             await self.gather_forwarded(j)
             return
         pieces = self.plan.chunks[j].pieces
+        if self.requantizes:
+            table = self.wire_table(j)
+            for k, piece in enumerate(pieces):
+                frame = await self.node.recv_header(j, PH_HIER_GATHER, k)
+                if frame.count != len(pieces):
+                    raise ProtocolError(
+                        f"rank {self.node.view.real(j)} announced {frame.count} pieces"
+                    )
+                src = await self.recv_described(j, frame, table[k][1])
+                await self.codec.run(piece.numel, decode_piece, src, piece, self.x, 0, self.dtype)
+            await self.node.send(j, PH_HIER_DONE, 0, None, 1)
+            return
         for k, piece in enumerate(pieces):
             frame = await self.node.recv_header(j, PH_HIER_GATHER, k)
             if frame.count != len(pieces):

@@ -81,6 +81,7 @@ def hierarchical_scheme(
     topology: Topology | None,
     hierarchy: HierarchyConfig | None,
     raw_host: bool = False,
+    compressed_host: bool = False,
 ) -> str | None:
     """``"sharded"`` or ``"leader"`` when this allreduce runs on two levels, else None.
 
@@ -93,7 +94,9 @@ def hierarchical_scheme(
     ``raw_host``: the buffer is in host memory and uncompressed, and every rank of the
     group mapped every other's node-local shared memory at connect (the group has
     mailboxes): on one node of at least :data:`ONE_NODE_MIN_WORLD` ranks "auto" then runs
-    it through shared segments.
+    it through shared segments. ``compressed_host``: the same for a float32 host buffer
+    of a compressed layout, which then runs SRA's steps through shared segments
+    (:func:`hierarchical_spec`).
     """
     if topology is None or topology.world_size == 1:
         return None
@@ -104,7 +107,7 @@ def hierarchical_scheme(
     elif algorithm != "auto" or one_round:
         return None
     plan = hierarchy.plan(topology)
-    if plan == "flat" and raw_host and _one_node_shm(topology, hierarchy):
+    if plan == "flat" and (raw_host or compressed_host) and _one_node_shm(topology, hierarchy):
         return "sharded"
     return None if plan == "flat" else plan
 
@@ -227,14 +230,14 @@ def hierarchical_spec(
     if cross_algorithm not in (Algo.SRA, Algo.RING):
         raise ConfigError(f"the cross-node stage runs SRA or ring, not {cross_algorithm.name}")
     shards = 1 if scheme == "leader" else topology.shards
-    intra_compress = bool(hierarchy.intra_compress) and not base.raw
-    intra_shm = (
-        hierarchy.intra_shm
-        and hierarchy.intra_transport == "local"
-        and not intra_compress
-        and host
-        and shm.available()
-    )
+    shared = hierarchy.intra_shm and hierarchy.intra_transport == "local" and host
+    shared = shared and shm.available()
+    # One node, compressed, float32 in place: SRA's steps through shared segments (every
+    # rank encodes its peers' pieces into its segment, each owner adds them from there
+    # and requantizes its chunk into its own, every rank decodes that).
+    one_node = topology.num_nodes == 1 and not base.raw and base.inplace and shared
+    intra_compress = (bool(hierarchy.intra_compress) or one_node) and not base.raw
+    intra_shm = shared and (not intra_compress or one_node)
     shard_piece = piece_numel * SHARED_PIECE_FACTOR if intra_shm else piece_numel
     plan = make_plan(layout, shards, shard_piece, MAX_SLOTS)
     nodes = topology.num_nodes

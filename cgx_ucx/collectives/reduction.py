@@ -120,12 +120,14 @@ class PieceSteps:
         raw_src: Any = None,
         raw_base: int = 0,
         addend: Any = None,
+        dst: Any = None,
     ) -> Any:
-        """Compressed path: ``piece`` of ``src`` (starting at ``base``) encoded into staging;
-        uncompressed segments from ``raw_src`` (starting at ``raw_base``) when given;
-        ``src + addend`` when ``addend`` (host values laid out as ``src``) is given."""
+        """Compressed path: ``piece`` of ``src`` (starting at ``base``) encoded into staging
+        (or into ``dst``, the piece's wire bytes exactly); uncompressed segments from
+        ``raw_src`` (starting at ``raw_base``) when given; ``src + addend`` when ``addend``
+        (host values laid out as ``src``) is given."""
         spec = self.spec
-        buf = self.call.take(piece.wire_nbytes(self.dtype), self.x)
+        buf = dst if dst is not None else self.call.take(piece.wire_nbytes(self.dtype), self.x)
         out = await self.codec.run(
             piece.numel,
             encode_piece,
