@@ -121,7 +121,8 @@ def test_one_node_runs_uncompressed_host_buffers_through_shared_segments():
     assert hierarchical_scheme("auto", False, one, None, raw_host=True) == "sharded"
     assert hierarchical_scheme("auto", False, one, None) is None  # GPU, or not float32
     assert hierarchical_scheme("auto", False, one, None, compressed_host=True) == "sharded"
-    assert hierarchical_scheme("auto", False, two, None, compressed_host=True) is None
+    assert hierarchical_scheme("auto", False, two, None, compressed_host=True) == "sharded"
+    assert hierarchical_scheme("auto", True, two, None, compressed_host=True) is None
     assert hierarchical_scheme("auto", True, one, None, raw_host=True) is None  # one round
     assert hierarchical_scheme("auto", False, two, None, raw_host=True) is None
     assert hierarchical_scheme("ring", False, one, None, raw_host=True) is None

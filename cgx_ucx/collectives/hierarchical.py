@@ -54,7 +54,8 @@ piece). A float32 buffer of a compressed layout runs SRA's steps the same way, w
 same bytes and values: every rank encodes the pieces of its peers' chunks into its
 segment, each owner adds them from there in rank order, requantizes its chunk into its
 own segment (decoding it into its buffer) and every rank decodes those wire bytes into
-its buffer, without a byte of payload through UCX.
+its buffer, without a byte of payload through UCX; from
+:data:`ONE_NODE_MIN_WORLD_COMPRESSED` ranks on.
 
 Stages that share a phase number talk to disjoint peers (node peers in 1 and 3, other
 nodes in 2), so ranks that disagree on the algorithm still meet on phase 1 and raise
@@ -78,6 +79,7 @@ from .hierarchical_plan import (
     FLAG_INTRA_SHM,
     FLAG_LEADER,
     ONE_NODE_MIN_WORLD,
+    ONE_NODE_MIN_WORLD_COMPRESSED,
     SHARED_PIECE_FACTOR,
     HierarchicalSpec,
     hierarchical_scheme,
@@ -99,6 +101,7 @@ __all__ = [
     "FLAG_INTRA_SHM",
     "FLAG_LEADER",
     "ONE_NODE_MIN_WORLD",
+    "ONE_NODE_MIN_WORLD_COMPRESSED",
     "PH_HIER_DONE",
     "PH_HIER_GATHER",
     "SHARED_PIECE_FACTOR",

@@ -23,6 +23,7 @@ __all__ = [
     "FLAG_INTRA_SHM",
     "FLAG_LEADER",
     "ONE_NODE_MIN_WORLD",
+    "ONE_NODE_MIN_WORLD_COMPRESSED",
     "SHARED_PIECE_FACTOR",
     "HierarchicalSpec",
     "cross_groups",
@@ -73,6 +74,11 @@ class HierarchicalSpec(AllreduceSpec):
 #: 64 MiB 147 against 609 (gloo 254); 4 ranks, 64 MiB 64.5 against 90 (gloo 108); 2 ranks,
 #: 64 MiB 22.6 against 20.6, 256 MiB 94 against 85: two ranks stay flat.
 ONE_NODE_MIN_WORLD = 3
+#: The same for a compressed float32 allreduce, which runs SRA's steps through the shared
+#: segments (:func:`hierarchical_spec`): already from two ranks (one host, 2 cores, 4 bits,
+#: ``python -m cgx_ucx.bench allreduce --world 2 --bits 4``: 4 MiB 2.7 ms against 3.4
+#: through UCX, 16 MiB 7.6 against 10.0, 64 MiB 30.1 against 38.0).
+ONE_NODE_MIN_WORLD_COMPRESSED = 2
 
 
 def hierarchical_scheme(
@@ -107,15 +113,17 @@ def hierarchical_scheme(
     elif algorithm != "auto" or one_round:
         return None
     plan = hierarchy.plan(topology)
-    if plan == "flat" and (raw_host or compressed_host) and _one_node_shm(topology, hierarchy):
-        return "sharded"
+    if plan == "flat" and (raw_host or compressed_host):
+        least = ONE_NODE_MIN_WORLD if raw_host else ONE_NODE_MIN_WORLD_COMPRESSED
+        if _one_node_shm(topology, hierarchy, least):
+            return "sharded"
     return None if plan == "flat" else plan
 
 
-def _one_node_shm(topology: Topology, hierarchy: HierarchyConfig) -> bool:
+def _one_node_shm(topology: Topology, hierarchy: HierarchyConfig, least: int) -> bool:
     return (
         topology.num_nodes == 1
-        and topology.world_size >= ONE_NODE_MIN_WORLD
+        and topology.world_size >= least
         and hierarchy.scheme in ("auto", "sharded")
         and hierarchy.intra_shm
         and hierarchy.intra_transport == "local"

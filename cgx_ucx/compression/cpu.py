@@ -689,6 +689,8 @@ def warmup(dtypes: tuple[Any, ...] = (np.float32,)) -> None:
         # the owner's requantization (float32 only).
         encode_sum_into(acc, peer, acc_hdr, 0, acc_buf)
         reduce_encode_into(acc_buf, acc_hdr, acc, 0, acc_hdr, 0, out, acc, peer)
+        acc_buf.flags.writeable = False  # a peer's bytes in its segment (one host, SRA's steps)
+        reduce_encode_into(acc_buf, acc_hdr, acc, 2, acc_hdr, 0, out, np.empty(n, np.float32))
 
 
 def warm_up() -> None:
