@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 
 import numpy as np
 import pytest
 
-from cgx_ucx.errors import ProtocolError, TransportError
+from cgx_ucx.errors import PeerLostError, ProtocolError, TransportError
 from cgx_ucx.transport import shm
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="needs memfd_create and /proc")
@@ -54,6 +55,36 @@ def test_another_process_maps_a_segment():
     finally:
         p.join(30)
     assert p.exitcode == 0
+
+
+def _exits_after_describing(conn) -> None:
+    seg = shm.Segment(1 << 16)
+    conn.send(bytes(seg.describe(0, 1 << 12).pack()))
+    conn.recv()
+    os._exit(0)  # its files close; the parent has not reaped it: a zombie
+
+
+def test_a_peer_that_exited_after_describing_its_bytes_is_named_lost():
+    """A node peer killed between describing its bytes and their reading: the reader's
+    error names it as lost (PeerLostError.peer), so that the ranks blame it, not the
+    reader, and does not send the user off to PID namespaces."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_exits_after_describing, args=(child,))
+    p.start()
+    try:
+        desc = shm.Descriptor.unpack(np.frombuffer(parent.recv(), np.uint8))
+        parent.send(b"exit")
+        deadline = time.monotonic() + 30
+        while not shm.process_gone(p.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert shm.process_gone(p.pid) and os.path.exists(f"/proc/{p.pid}")  # a zombie
+        with pytest.raises(PeerLostError, match="rank 5's shared memory") as err:
+            shm.PeerSegments(rank=0).view(5, desc)
+        assert err.value.peer == 5
+    finally:
+        p.join(30)
+    assert not shm.process_gone(os.getpid())
 
 
 def test_pool_reuses_segments_by_size_class():

@@ -53,7 +53,7 @@ import numpy as np
 
 from ..config import ENV_MAILBOX_KERNELS, mailbox_kernels_mode
 from ..errors import ConfigError, ProtocolError, TransportError
-from .shm import Descriptor, Segment, map_peer
+from .shm import Descriptor, Segment, map_peer, process_gone
 
 __all__ = [
     "SLOT_BYTES",
@@ -346,13 +346,7 @@ class Mailbox:
     def peer_alive(self, peer: int) -> bool:
         """Whether ``peer``'s process still runs (same host: its /proc entry exists and is
         not a zombie, which an exited process stays until its parent reaps it)."""
-        try:
-            with open(f"/proc/{self.peer_pids[peer]}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            return False
-        state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
-        return state not in (b"Z", b"X")
+        return not process_gone(self.peer_pids[peer])
 
     # -- end --------------------------------------------------------------------------
     def close(self) -> None:

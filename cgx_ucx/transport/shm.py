@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ProtocolError, TransportError
+from ..errors import PeerLostError, ProtocolError, TransportError
 
 __all__ = [
     "DESCRIPTOR_NBYTES",
@@ -48,6 +48,7 @@ __all__ = [
     "SegmentPool",
     "available",
     "map_peer",
+    "process_gone",
 ]
 
 _MAGIC = b"CGXS"
@@ -265,7 +266,20 @@ class PeerSegments:
         return array[desc.offset : desc.offset + desc.nbytes]
 
     def _open(self, peer: int, desc: Descriptor) -> tuple[mmap.mmap, np.ndarray]:
-        return map_peer(self.rank, peer, desc)
+        try:
+            return map_peer(self.rank, peer, desc)
+        except TransportError as exc:
+            if not process_gone(desc.pid):
+                raise
+            # The group's ranks mapped each other's mailboxes at connect, so they share
+            # a PID namespace: a process that is gone by now has exited (a peer killed
+            # after it described its bytes). Named, so that every rank blames it.
+            raise PeerLostError(
+                f"rank {self.rank} cannot read rank {peer}'s shared memory: its process "
+                f"{desc.pid} is gone (it exited; or, were the ranks of this node in "
+                "separate PID namespaces, set CGX_UCX_INTRA_SHM=0)",
+                peer=peer,
+            ) from exc
 
     def clear(self) -> None:
         with self._lock:
@@ -274,6 +288,18 @@ class PeerSegments:
             self._bytes = 0
         for m in maps:
             _close_map(m)
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` of this host has exited: no /proc entry, or a zombie
+    (which an exited process stays until its parent reaps it, its files closed)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True
+    end = stat.rfind(b")")
+    return stat[end + 2 : end + 3] in (b"Z", b"X")
 
 
 def map_peer(rank: int, peer: int, desc: Descriptor) -> tuple[mmap.mmap, np.ndarray]:
