@@ -408,6 +408,11 @@ async def one_node_compressed(ctx, n):
             await comm.allreduce(shared, **kw)
             await comm.allreduce(flat, algorithm="sra", **kw)
             out.append((shared, flat))
+        for dtype, kw in [(np.float16, dict(bits=4)), (ml_dtypes.bfloat16, dict(bits=8, op="avg"))]:
+            shared, flat = (smooth_data(ctx.rank, n).astype(dtype) for _ in range(2))
+            await comm.allreduce(shared, **kw)
+            await comm.allreduce(flat, algorithm="sra", **kw)
+            out.append((shared, flat))
         stochastic = smooth_data(ctx.rank, n)
         await comm.allreduce(stochastic, bits=4, stochastic=True, seed=7)
         return out, runs, stochastic
@@ -416,15 +421,15 @@ async def one_node_compressed(ctx, n):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 4])
 def test_one_node_compressed_allreduce_is_sra_through_shared_segments(world):
-    """A compressed float32 allreduce of ranks of one host goes through the node's shared
+    """A compressed allreduce of ranks of one host goes through the node's shared
     segments: every rank ends with SRA's bytes exactly (sum and avg, mixed widths with a
-    32-bit layer), stochastic rounding leaves every replica bit-identical, and the error
-    stays within SRA's bound."""
+    32-bit layer, float16 and bfloat16 buffers), stochastic rounding leaves every replica
+    bit-identical, and the error stays within SRA's bound."""
     n = world * (4 << 20) // 4 + 12_345  # several pieces a chunk, and a ragged end
     results = run_ranks(one_node_compressed, world, args=(n,), timeout=110)
     for out, runs, stochastic in results:
         # The shared path ran for each case and the stochastic call, never for "sra".
-        assert runs == [True] * 5, runs
+        assert runs == [True] * 7, runs
         for shared, flat in out:
             assert shared.tobytes() == flat.tobytes()
         assert stochastic.tobytes() == results[0][2].tobytes()

@@ -432,6 +432,6 @@ def test_one_node_shared_segments_need_the_groups_mailboxes():
     assert spec.intra_compress and spec.intra_shm
     _, (_, spec) = prepare_allreduce(x, bits=4, **kw)  # no mailboxes
     assert spec.algorithm == Algo.SRA
-    half = x.astype(np.float16)
+    half = x.astype(np.float16)  # a float32 accumulator of its own, the same steps
     _, (_, spec) = prepare_allreduce(half, bits=4, oneshot_limit=LOCAL_ONESHOT_BYTES, **kw)
-    assert spec.algorithm == Algo.SRA  # float16: its float32 accumulator stays flat
+    assert spec.algorithm == Algo.HIERARCHICAL and not spec.inplace

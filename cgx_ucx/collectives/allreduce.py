@@ -168,12 +168,7 @@ def _prepare(
         # Host bytes, uncompressed, and a group whose ranks all mapped each other's
         # node-local shared memory (it has mailboxes: oneshot_limit is theirs).
         raw_host=not lay.compressed and not is_cupy(flat) and oneshot_limit is not None,
-        compressed_host=(
-            lay.compressed
-            and dtype == np.float32
-            and not is_cupy(flat)
-            and oneshot_limit is not None
-        ),
+        compressed_host=lay.compressed and not is_cupy(flat) and oneshot_limit is not None,
     )
     algo = Algo.HIERARCHICAL if scheme is not None else algo
     seed = check_seed(seed)

@@ -50,7 +50,7 @@ On a single node the same steps are the uncompressed allreduce of host buffers u
 skipped): every rank copies each other rank's shard into its segment once, owners add
 in place and every rank copies the result out, where the flat algorithms push every byte
 through UCX's shared-memory transport (8 KiB fragments, two copies, a rendezvous per
-piece). A float32 buffer of a compressed layout runs SRA's steps the same way, with the
+piece). A buffer of a compressed layout runs SRA's steps the same way, with the
 same bytes and values: every rank encodes the pieces of its peers' chunks into its
 segment, each owner adds them from there in rank order, requantizes its chunk into its
 own segment (decoding it into its buffer) and every rank decodes those wire bytes into

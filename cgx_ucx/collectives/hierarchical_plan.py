@@ -74,7 +74,7 @@ class HierarchicalSpec(AllreduceSpec):
 #: 64 MiB 147 against 609 (gloo 254); 4 ranks, 64 MiB 64.5 against 90 (gloo 108); 2 ranks,
 #: 64 MiB 22.6 against 20.6, 256 MiB 94 against 85: two ranks stay flat.
 ONE_NODE_MIN_WORLD = 3
-#: The same for a compressed float32 allreduce, which runs SRA's steps through the shared
+#: The same for a compressed allreduce, which runs SRA's steps through the shared
 #: segments (:func:`hierarchical_spec`): already from two ranks (one host, 2 cores, 4 bits,
 #: ``python -m cgx_ucx.bench allreduce --world 2 --bits 4``: 4 MiB 2.7 ms against 3.4
 #: through UCX, 16 MiB 7.6 against 10.0, 64 MiB 30.1 against 38.0).
@@ -100,7 +100,7 @@ def hierarchical_scheme(
     ``raw_host``: the buffer is in host memory and uncompressed, and every rank of the
     group mapped every other's node-local shared memory at connect (the group has
     mailboxes): on one node of at least :data:`ONE_NODE_MIN_WORLD` ranks "auto" then runs
-    it through shared segments. ``compressed_host``: the same for a float32 host buffer
+    it through shared segments. ``compressed_host``: the same for a host buffer
     of a compressed layout, which then runs SRA's steps through shared segments
     (:func:`hierarchical_spec`).
     """
@@ -240,10 +240,10 @@ def hierarchical_spec(
     shards = 1 if scheme == "leader" else topology.shards
     shared = hierarchy.intra_shm and hierarchy.intra_transport == "local" and host
     shared = shared and shm.available()
-    # One node, compressed, float32 in place: SRA's steps through shared segments (every
+    # One node, compressed: SRA's steps through shared segments (every
     # rank encodes its peers' pieces into its segment, each owner adds them from there
     # and requantizes its chunk into its own, every rank decodes that).
-    one_node = topology.num_nodes == 1 and not base.raw and base.inplace and shared
+    one_node = topology.num_nodes == 1 and not base.raw and shared
     intra_compress = (bool(hierarchy.intra_compress) or one_node) and not base.raw
     intra_shm = shared and (not intra_compress or one_node)
     shard_piece = piece_numel * SHARED_PIECE_FACTOR if intra_shm else piece_numel

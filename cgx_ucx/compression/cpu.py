@@ -680,17 +680,17 @@ def warmup(dtypes: tuple[Any, ...] = (np.float32,)) -> None:
             frozen = buf.copy()
             frozen.flags.writeable = False
             decode_add_into(frozen, hdr, np.zeros(n, np.float32))
-            if dt == np.float32:
-                decode_into(frozen, hdr, np.empty(n, dtype=dt))
+            decode_into(frozen, hdr, np.empty(n, dtype=dt))
             encode_decode_into(np.zeros(n, np.float32), acc_hdr, 0, buf, np.empty(n, dtype=dt))
             encode_into(np.zeros(n, np.float32), acc_hdr, 0, acc_buf)
             reduce_encode_into(acc_buf, acc_hdr, acc, 2, acc_hdr, 0, out, np.empty(n, dtype=dt))
+            # A peer's bytes read in its segment (one host, SRA's steps): read-only.
+            ro = np.frombuffer(acc_buf.tobytes(), np.uint8)
+            reduce_encode_into(ro, acc_hdr, acc, 2, acc_hdr, 0, out, np.empty(n, dtype=dt))
         # The two-level allreduce's sums with a node peer's bytes: encoded, and added by
         # the owner's requantization (float32 only).
         encode_sum_into(acc, peer, acc_hdr, 0, acc_buf)
         reduce_encode_into(acc_buf, acc_hdr, acc, 0, acc_hdr, 0, out, acc, peer)
-        acc_buf.flags.writeable = False  # a peer's bytes in its segment (one host, SRA's steps)
-        reduce_encode_into(acc_buf, acc_hdr, acc, 2, acc_hdr, 0, out, np.empty(n, np.float32))
 
 
 def warm_up() -> None:
