@@ -160,15 +160,16 @@ def _prepare(
     # "hierarchical" asked for; flat where they do not apply.
     flat_name = "auto" if algorithm == "hierarchical" else algorithm
     algo = _algorithm(flat_name, world_size, flat.size * dtype.itemsize, oneshot_limit)
+    # Host bytes, and a group whose ranks all mapped each other's node-local shared
+    # memory (it has mailboxes: oneshot_limit is theirs).
+    shared_host = not is_cupy(flat) and oneshot_limit is not None
     scheme = hierarchical_scheme(
         algorithm,
         algo == Algo.ONESHOT,
         topology,
         hierarchy,
-        # Host bytes, uncompressed, and a group whose ranks all mapped each other's
-        # node-local shared memory (it has mailboxes: oneshot_limit is theirs).
-        raw_host=not lay.compressed and not is_cupy(flat) and oneshot_limit is not None,
-        compressed_host=lay.compressed and not is_cupy(flat) and oneshot_limit is not None,
+        raw_host=shared_host and not lay.compressed,
+        compressed_host=shared_host and lay.compressed,
     )
     algo = Algo.HIERARCHICAL if scheme is not None else algo
     seed = check_seed(seed)

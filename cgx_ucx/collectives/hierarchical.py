@@ -87,7 +87,7 @@ from .hierarchical_plan import (
     shard_layout,
     sub_chunk,
 )
-from .piece_codec import decode_add_piece, decode_piece, reduce_requantize_piece
+from .piece_codec import decode_piece
 from .plan import Chunk
 from .reduction import AllreduceSpec, PieceSteps
 from .ring import ring
@@ -217,7 +217,7 @@ class Hierarchical(PieceSteps):
                     continue
                 piece = pieces[k]
                 if self.requantizes:
-                    pos, n = self.wire_table(j)[k]
+                    pos, n = self.wire_span(j, k)
                     seg = segments[j]
                     await self.encode(x, 0, piece, dst=seg.array[pos : pos + n])
                     payload = seg.describe(pos, n).pack()
@@ -241,23 +241,17 @@ class Hierarchical(PieceSteps):
             return self.call.take_segment(max(self.wire_total(j), 1))
         return self.call.take_segment(self.plan.chunks[j].numel * self.dtype.itemsize)
 
-    def wire_table(self, j: int) -> list[tuple[int, int]]:
-        """(offset, bytes) of the wire bytes of each piece of chunk ``j`` kept back to back;
-        made once per spec."""
-        key = ("hier_wire", j, self.dtype)
-        table = self.spec.memo.get(key)
-        if table is None:
-            table, pos = [], 0
-            for piece in self.plan.chunks[j].pieces:
-                n = piece.wire_nbytes(self.dtype)
-                table.append((pos, n))
-                pos += n
-            self.spec.memo[key] = table
-        return table
+    def wire_span(self, j: int, k: int) -> tuple[int, int]:
+        """(offset, bytes) of the wire bytes of piece ``k`` of chunk ``j`` where chunk
+        ``j``'s pieces lie back to back (in :func:`~.sra.result_table`'s order)."""
+        table, _ = result_table(self.spec, self.dtype)
+        pos, n = table[(j, k)]
+        return pos - table[(j, 0)][0], n
 
     def wire_total(self, j: int) -> int:
-        table = self.wire_table(j)
-        return table[-1][0] + table[-1][1] if table else 0
+        """The wire bytes of chunk ``j``."""
+        pieces = len(self.plan.chunks[j].pieces)
+        return sum(self.wire_span(j, pieces - 1)) if pieces else 0
 
     def describe(self, seg: Any, chunk: Chunk, piece: Any) -> Any:
         """The packed descriptor of ``piece`` in ``seg`` (laid out as ``chunk``)."""
@@ -447,32 +441,15 @@ class Hierarchical(PieceSteps):
         its wire bytes written into our segment and described to every node peer, which
         decodes them; the segment is ours until each of them said it is done."""
         seg = self.call.take_segment(max(self.wire_total(self.local), 1))
-        table = self.wire_table(self.local)
         *first, last = self.node_peers
         count = len(chunk.pieces)
-        spec = self.spec
         for k, piece in enumerate(chunk.pieces):
             for p in first:
-                buf = await self.arrived[(p, k)]
-                await self.codec.run(
-                    piece.numel, decode_add_piece, buf, piece, acc, chunk.start, self.dtype
-                )
+                await self.decode_add(await self.arrived[(p, k)], piece, acc, chunk.start)
+            pos, n = self.wire_span(self.local, k)
             buf = await self.arrived[(last, k)]
-            pos, n = table[k]
-            await self.codec.run(
-                piece.numel,
-                reduce_requantize_piece,
-                buf,
-                piece,
-                acc,
-                chunk.start,
-                self.x,
-                self.n_world if spec.avg else 0,
-                seg.array[pos : pos + n],
-                spec.stochastic,
-                spec.seed,
-                self.call.seq,
-                self.rank,
+            await self.reduce_requantize_into(
+                buf, piece, acc, chunk.start, seg.array[pos : pos + n]
             )
             payload = seg.describe(pos, n).pack()
             self.tasks.extend(
@@ -523,9 +500,7 @@ class Hierarchical(PieceSteps):
                 elif self.intra_raw:
                     self.add_raw(a, buf, piece)
                 else:
-                    await self.codec.run(
-                        piece.numel, decode_add_piece, buf, piece, acc, base, self.dtype
-                    )
+                    await self.decode_add(buf, piece, acc, base)
             # Pieces that arrived already do not suspend the loop above: yield, so the
             # groups started across nodes keep their transfers going meanwhile.
             await asyncio.sleep(0)
@@ -556,14 +531,13 @@ class Hierarchical(PieceSteps):
             return
         pieces = self.plan.chunks[j].pieces
         if self.requantizes:
-            table = self.wire_table(j)
             for k, piece in enumerate(pieces):
                 frame = await self.node.recv_header(j, PH_HIER_GATHER, k)
                 if frame.count != len(pieces):
                     raise ProtocolError(
                         f"rank {self.node.view.real(j)} announced {frame.count} pieces"
                     )
-                src = await self.recv_described(j, frame, table[k][1])
+                src = await self.recv_described(j, frame, self.wire_span(j, k)[1])
                 await self.codec.run(piece.numel, decode_piece, src, piece, self.x, 0, self.dtype)
             await self.node.send(j, PH_HIER_DONE, 0, None, 1)
             return

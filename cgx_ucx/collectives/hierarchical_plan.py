@@ -244,7 +244,7 @@ def hierarchical_spec(
     # rank encodes its peers' pieces into its segment, each owner adds them from there
     # and requantizes its chunk into its own, every rank decodes that).
     one_node = topology.num_nodes == 1 and not base.raw and shared
-    intra_compress = (bool(hierarchy.intra_compress) or one_node) and not base.raw
+    intra_compress = one_node or (bool(hierarchy.intra_compress) and not base.raw)
     intra_shm = shared and (not intra_compress or one_node)
     shard_piece = piece_numel * SHARED_PIECE_FACTOR if intra_shm else piece_numel
     plan = make_plan(layout, shards, shard_piece, MAX_SLOTS)

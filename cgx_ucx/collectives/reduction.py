@@ -25,7 +25,14 @@ import numpy as np
 from ..arrays import xp_of
 from ..transport.frames import Algo, Frame
 from .call import Call
-from .piece_codec import decode_piece, encode_piece, mix_seed, requantize_piece
+from .piece_codec import (
+    decode_add_piece,
+    decode_piece,
+    encode_piece,
+    mix_seed,
+    reduce_requantize_piece,
+    requantize_piece,
+)
 from .plan import Piece, Plan
 from .staging import byte_view, synchronize
 
@@ -146,6 +153,36 @@ class PieceSteps:
         )
         synchronize(out)
         return out
+
+    async def decode_add(self, buf: Any, piece: Piece, acc: Any, base: int) -> None:
+        """Compressed path: ``acc`` (starting at ``base``) += the piece decoded from
+        ``buf``."""
+        await self.codec.run(piece.numel, decode_add_piece, buf, piece, acc, base, self.dtype)
+
+    async def reduce_requantize_into(
+        self, buf: Any, piece: Piece, acc: Any, base: int, out: Any, addend: Any = None
+    ) -> Any:
+        """Compressed path, the owner's last step on a piece: :meth:`decode_add` of
+        ``buf`` (and ``addend``), the average if asked, then the sum requantized into
+        ``out`` and decoded into the caller's buffer, in one pass
+        (:func:`~.piece_codec.reduce_requantize_piece`). Returns the wire bytes."""
+        spec = self.spec
+        return await self.codec.run(
+            piece.numel,
+            reduce_requantize_piece,
+            buf,
+            piece,
+            acc,
+            base,
+            self.x,
+            self.n_world if spec.avg else 0,
+            out,
+            spec.stochastic,
+            spec.seed,
+            self.call.seq,
+            self.rank,
+            addend,
+        )
 
     def add_raw(self, a: Any, buf: Any, piece: Piece) -> None:
         """Raw path: ``a`` (the accumulator's slice for ``piece``) += received bytes."""

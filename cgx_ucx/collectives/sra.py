@@ -37,7 +37,6 @@ import numpy as np
 from ..errors import ProtocolError
 from ..transport.frames import Frame
 from .call import PH_DATA, PH_SIG, Call, cancel_pending, gather_or_cancel
-from .piece_codec import decode_add_piece, reduce_requantize_piece
 from .reduction import AllreduceSpec, PieceSteps
 from .staging import synchronize
 
@@ -308,9 +307,7 @@ class Sra(PieceSteps):
             if self.spec.raw:
                 self.add_raw(a, buf, piece)
             else:
-                await self.codec.run(
-                    piece.numel, decode_add_piece, buf, piece, acc, base, self.dtype
-                )
+                await self.decode_add(buf, piece, acc, base)
             self.consumed(p, buf)
         return a
 
@@ -325,26 +322,12 @@ class Sra(PieceSteps):
         peer's piece added, averaged and requantized in one pass
         (:func:`~.piece_codec.reduce_requantize_piece`): the same bytes and values, one
         pass over the piece fewer. Returns the wire bytes."""
-        base, spec = self.own.start, self.spec
         *first, last = sorted(self.peers)
         await self.add_pieces(acc, k, piece, first)
         buf = await self.scatter.fut(last, k)
         out = self.call.take(piece.wire_nbytes(self.dtype), self.x)
-        wire = await self.codec.run(
-            piece.numel,
-            reduce_requantize_piece,
-            buf,
-            piece,
-            acc,
-            base,
-            self.x,
-            self.n_world if spec.avg else 0,
-            out,
-            spec.stochastic,
-            spec.seed,
-            self.call.seq,
-            self.rank,
-            self.own_addend,
+        wire = await self.reduce_requantize_into(
+            buf, piece, acc, self.own.start, out, self.own_addend
         )
         self.consumed(last, buf)
         return wire

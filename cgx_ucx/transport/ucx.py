@@ -181,8 +181,7 @@ def _loads(tls: str, prefix: str) -> bool:
     """Whether UCX_TLS ``tls`` lets UCX load the transport family of ``prefix``
     (:data:`_FAMILIES`): always when empty; unless excluded by a ``^...`` list; if named
     by a list of transports."""
-    excluding = tls.lstrip().startswith("^")
-    names = {t.strip().lower() for t in tls.lstrip().lstrip("^").split(",") if t.strip()}
+    names, excluding = _tls_names(tls)
     loads, covers = _FAMILIES[prefix]
     if excluding:
         return not any(c <= names for c in covers)
@@ -215,10 +214,17 @@ def _set_by_ucxx(name: str) -> bool:
     )
 
 
+def _tls_names(tls: str) -> tuple[set[str], bool]:
+    """The transport names a UCX_TLS value lists (lower case), and whether it lists them
+    to exclude them (``^...``)."""
+    excluding = tls.lstrip().startswith("^")
+    return {t.strip().lower() for t in tls.lstrip().lstrip("^").split(",") if t.strip()}, excluding
+
+
 def _tcp_only(tls: str) -> bool:
     """True when UCX_TLS selects TCP only (``^`` exclusion lists never are)."""
-    names = {t.strip().lower() for t in tls.split(",") if t.strip()}
-    return bool(names) and not tls.lstrip().startswith("^") and names <= _TCP_TLS
+    names, excluding = _tls_names(tls)
+    return bool(names) and not excluding and names <= _TCP_TLS
 
 
 def ucxx_module() -> Any:
