@@ -377,6 +377,18 @@ async def connect_only(ctx):
         return "connected"
 
 
+def test_connect_failures_name_a_ucx_tls_without_tcp(monkeypatch):
+    """Both ways a connect fails under such a UCX_TLS (the peer unreachable, or no answer
+    before the connect timeout on a loaded host) carry the hint; other values add none."""
+    from cgx_ucx.transport import connection
+
+    monkeypatch.setenv("UCX_TLS", "sm,self")
+    assert "UCX_TLS=sm,self leaves out tcp" in connection._tls_hint()
+    for tls in ("sm,self,tcp", "tcp", "^sm"):
+        monkeypatch.setenv("UCX_TLS", tls)
+        assert connection._tls_hint() == ""
+
+
 @pytest.mark.timeout(90)
 def test_ucx_tls_without_tcp_fails_to_connect_with_a_hint():
     """UCX connects endpoints to an address through its TCP connection manager: with

@@ -285,19 +285,12 @@ class MeshSetup(MeshControl):
             raise RendezvousError(
                 await self._peer_lost(rdzv, r, addr)
                 or f"rank {self.rank} could not reach {where}: no answer within "
-                f"{self.config.connect_timeout:g} s"
+                f"{self.config.connect_timeout:g} s{_tls_hint()}"
             ) from exc
         except _ucx.errors() as exc:
             _ucx.release_abandoned_endpoints(exc)
             lost = await self._peer_lost(rdzv, r, addr)
-            text = f"cannot connect to {where}: {exc or type(exc).__name__}"
-            if _ucx.tcp_excluded():
-                text += (
-                    f" (UCX_TLS={os.environ['UCX_TLS']} leaves out tcp: UCX connects "
-                    "endpoints to an address through TCP's connection manager where no "
-                    "RDMA one is available; add it, e.g. UCX_TLS=sm,self,tcp: shared "
-                    "memory still carries the data between processes of one host)"
-                )
+            text = f"cannot connect to {where}: {exc or type(exc).__name__}{_tls_hint()}"
             raise RendezvousError(
                 f"{lost} (rank {self.rank} {text})" if lost else f"rank {self.rank}: {text}"
             ) from exc
@@ -435,3 +428,17 @@ def _numeric_ip(host: str) -> bool:
             continue
         return True
     return False
+
+
+def _tls_hint() -> str:
+    """What to add to a connect failure when UCX_TLS leaves out TCP (else nothing): UCX
+    connects endpoints to an address through TCP's connection manager where no RDMA one
+    is available, so the failure shows as an unreachable peer or as no answer."""
+    if not _ucx.tcp_excluded():
+        return ""
+    return (
+        f" (UCX_TLS={os.environ['UCX_TLS']} leaves out tcp: UCX connects endpoints to an "
+        "address through TCP's connection manager where no RDMA one is available; add it, "
+        "e.g. UCX_TLS=sm,self,tcp: shared memory still carries the data between processes "
+        "of one host)"
+    )
