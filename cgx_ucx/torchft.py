@@ -399,7 +399,19 @@ class DistributedDataParallel(_FtDDP):
 
     Either way the step ends, and ``should_commit`` discards a failed one. On a
     :class:`ProcessGroupCGX` whose quorum is all participating, each bucket is averaged
-    by the group as it reduces (see :func:`_average`). Same constructor."""
+    by the group as it reduces (see :func:`_average`).
+
+    Same constructor, except that ``gradient_as_bucket_view`` defaults to True: each
+    parameter's ``.grad`` is a view of its bucket, so the all-reduced bucket is the
+    gradient and DDP copies nothing back: a pass over every gradient a step fewer, and
+    no second copy of the gradients held (3 replica groups of the 22 M-parameter MLP on
+    a 2-core host: 0.50 -> 0.47 s a step at 4 bits). Pass
+    ``gradient_as_bucket_view=False`` for DDP's default.
+    """
+
+    def __init__(self, manager: Any, module: torch.nn.Module, **kwargs: Any) -> None:
+        kwargs.setdefault("gradient_as_bucket_view", True)
+        super().__init__(manager, module, **kwargs)
 
     # Unannotated: DDP checks the annotations, and this module's are strings.
     @staticmethod

@@ -209,3 +209,37 @@ def test_summing_as_average_turns_only_a_sum_into_an_average():
     assert _as_average(opts) is opts
     assert _as_average(ReduceOp.SUM) == ReduceOp.AVG
     assert _as_average(ReduceOp.MIN) == ReduceOp.MIN
+
+
+@pytest.mark.parametrize("as_view", [None, False])
+def test_ddp_gradients_are_views_of_the_reduced_buckets_unless_asked_otherwise(as_view):
+    """By default each .grad is a view of its bucket: the all-reduced values are the
+    gradients, with no copy back. The Manager here halves each bucket (an average over
+    2 replicas), which the gradients then hold either way."""
+    from cgx_ucx.torchft import DistributedDataParallel
+
+    class Manager(_Manager):
+        def errored(self):
+            return None
+
+        def allreduce(self, tensor):
+            work, inner = _managed(self, tensor)
+            inner.fut.set_result([tensor])
+            return work
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    reference = [p.detach().clone() for p in model.parameters()]
+    kwargs = {} if as_view is None else {"gradient_as_bucket_view": as_view}
+    net = DistributedDataParallel(Manager(), model, **kwargs)
+    x = torch.randn(4, 8)
+    net(x).square().sum().backward()
+
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    with torch.no_grad():
+        for p, r in zip(plain.parameters(), reference, strict=True):
+            p.copy_(r)
+    plain(x).square().sum().backward()
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.allclose(p.grad, q.grad / 2)  # the Manager's average reached .grad
+        assert p.grad._is_view() is (as_view is None)
