@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cgx_ucx.bench import pages, plots, provenance, report
+from cgx_ucx.bench import pages, plots, provenance, report, sections
 from cgx_ucx.bench.__main__ import BENCHMARKS, TOOLS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -149,6 +149,34 @@ def test_result_with_provenance_names_command_commit_and_load(tmp_path):
     assert f"commit `{prov['git']['commit'][:10]}`" in page
     assert "Provenance: not recorded" not in page
     assert " before, " in page and " after; " in page
+
+
+def test_git_state_counts_code_changes_not_the_benchmark_outputs(tmp_path):
+    """A refreshed result, docs page or README does not make the next result's code
+    "uncommitted"; a changed source file does, and is named (in the page too)."""
+    import subprocess
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    for path in ("cgx_ucx/a.py", "benchmarks/results/cpu-2core/x.json", "docs/b.md", "README.md"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("one\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "c")
+    state = provenance.git_state(tmp_path)
+    assert state is not None and state["dirty"] is False and state["changed"] == []
+    for path in ("benchmarks/results/cpu-2core/x.json", "docs/b.md", "README.md"):
+        (tmp_path / path).write_text("two\n")
+    (tmp_path / "untracked.py").write_text("new\n")
+    state = provenance.git_state(tmp_path)
+    assert state is not None and state["dirty"] is False and state["changed"] == []
+    (tmp_path / "cgx_ucx/a.py").write_text("two\n")
+    state = provenance.git_state(tmp_path)
+    assert state is not None and state == {**state, "dirty": True, "changed": ["cgx_ucx/a.py"]}
+    line = sections.provenance_line({"provenance": {"git": state, "date": "d"}})
+    assert "(uncommitted changes to `cgx_ucx/a.py`)" in line
 
 
 def test_unknown_benchmark_renders_without_a_table():

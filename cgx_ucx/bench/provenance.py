@@ -100,16 +100,31 @@ def _run(cmd: list[str], cwd: Path | None = None) -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
+#: Tracked paths a benchmark run writes or renders (its results, the docs pages and the
+#: README's headline table): changes there say nothing about the code that was measured.
+OUTPUT_PATHS = ("benchmarks/results/", "docs/", "README.md")
+#: Changed paths named in a result's provenance, at most.
+MAX_CHANGED = 20
+
+
 def git_state(root: Path = REPO_ROOT) -> dict[str, Any] | None:
-    """``{"commit": sha, "dirty": bool}`` of the checkout at ``root``, or None outside one.
-    Dirty: tracked files differ from the commit (untracked files do not count)."""
+    """``{"commit": sha, "dirty": bool, "changed": [path, ...]}`` of the checkout at
+    ``root``, or None outside one. ``changed``: the tracked files that differ from the
+    commit (untracked files do not count), but for :data:`OUTPUT_PATHS` (a refresh of
+    one tracked result before another would otherwise mark the second as measured on
+    uncommitted code); at most :data:`MAX_CHANGED` of them. ``dirty``: any such file."""
     if not (root / ".git").exists():
         return None
     commit = _run(["git", "rev-parse", "HEAD"], root)
     if not commit:
         return None
-    status = _run(["git", "status", "--porcelain", "--untracked-files=no"], root)
-    return {"commit": commit, "dirty": bool(status) if status is not None else None}
+    diff = _run(["git", "diff", "--name-only", "HEAD", "--"], root)
+    if diff is None:
+        return {"commit": commit, "dirty": None, "changed": None}
+    changed = sorted(
+        path for path in diff.splitlines() if path and not path.startswith(OUTPUT_PATHS)
+    )
+    return {"commit": commit, "dirty": bool(changed), "changed": changed[:MAX_CHANGED]}
 
 
 @functools.cache

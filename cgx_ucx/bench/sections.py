@@ -112,7 +112,12 @@ def provenance_line(data: dict[str, Any]) -> str:
     commit = git.get("commit")
     commit_text = f"commit `{commit[:10]}`" if commit else "no git checkout"
     if git.get("dirty"):
-        commit_text += " (uncommitted changes)"
+        changed = git.get("changed")
+        commit_text += (
+            f" (uncommitted changes to {', '.join(f'`{c}`' for c in changed)})"
+            if changed
+            else " (uncommitted changes)"
+        )
     host = prov.get("host") or {}
     gpus = host.get("gpus") or []
     gpu_text = ", ".join(g.get("name", "?") for g in gpus) if gpus else "no GPU"
