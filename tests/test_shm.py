@@ -40,13 +40,19 @@ def _child(conn) -> None:
     seg.close()
 
 
-def test_another_process_maps_a_segment():
+def _describing(target):
+    """A spawned process running ``target(conn)``, the parent's end of the pipe, and the
+    descriptor the child sent first."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    p = ctx.Process(target=_child, args=(child,))
+    p = ctx.Process(target=target, args=(child,))
     p.start()
+    return p, parent, shm.Descriptor.unpack(np.frombuffer(parent.recv(), np.uint8))
+
+
+def test_another_process_maps_a_segment():
+    p, parent, desc = _describing(_child)
     try:
-        desc = shm.Descriptor.unpack(np.frombuffer(parent.recv(), np.uint8))
         peers = shm.PeerSegments(rank=0)
         view = peers.view(1, desc)
         assert view.nbytes == 1 << 19 and np.all(view == 7)
@@ -68,12 +74,8 @@ def test_a_peer_that_exited_after_describing_its_bytes_is_named_lost():
     """A node peer killed between describing its bytes and their reading: the reader's
     error names it as lost (PeerLostError.peer), so that the ranks blame it, not the
     reader, and does not send the user off to PID namespaces."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    p = ctx.Process(target=_exits_after_describing, args=(child,))
-    p.start()
+    p, parent, desc = _describing(_exits_after_describing)
     try:
-        desc = shm.Descriptor.unpack(np.frombuffer(parent.recv(), np.uint8))
         parent.send(b"exit")
         deadline = time.monotonic() + 30
         while not shm.process_gone(p.pid) and time.monotonic() < deadline:

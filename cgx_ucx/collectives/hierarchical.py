@@ -440,7 +440,7 @@ class Hierarchical(PieceSteps):
         taken and the sum requantized in one pass, decoded into the caller's buffer),
         its wire bytes written into our segment and described to every node peer, which
         decodes them; the segment is ours until each of them said it is done."""
-        seg = self.call.take_segment(max(self.wire_total(self.local), 1))
+        seg = self.segment(self.local)
         *first, last = self.node_peers
         count = len(chunk.pieces)
         for k, piece in enumerate(chunk.pieces):
@@ -530,22 +530,14 @@ class Hierarchical(PieceSteps):
             await self.gather_forwarded(j)
             return
         pieces = self.plan.chunks[j].pieces
-        if self.requantizes:
-            for k, piece in enumerate(pieces):
-                frame = await self.node.recv_header(j, PH_HIER_GATHER, k)
-                if frame.count != len(pieces):
-                    raise ProtocolError(
-                        f"rank {self.node.view.real(j)} announced {frame.count} pieces"
-                    )
-                src = await self.recv_described(j, frame, self.wire_span(j, k)[1])
-                await self.codec.run(piece.numel, decode_piece, src, piece, self.x, 0, self.dtype)
-            await self.node.send(j, PH_HIER_DONE, 0, None, 1)
-            return
         for k, piece in enumerate(pieces):
             frame = await self.node.recv_header(j, PH_HIER_GATHER, k)
             if frame.count != len(pieces):
                 raise ProtocolError(f"rank {self.node.view.real(j)} announced {frame.count} pieces")
-            if self.shm:
+            if self.requantizes:  # the owner's wire bytes, decoded from its segment
+                src = await self.recv_described(j, frame, self.wire_span(j, k)[1])
+                await self.codec.run(piece.numel, decode_piece, src, piece, self.x, 0, self.dtype)
+            elif self.shm:
                 src = await self.recv_shared(j, frame, piece)
                 byte_view(self.x[piece.start : piece.stop])[...] = src
             else:
