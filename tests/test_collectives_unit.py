@@ -172,6 +172,19 @@ class FakeTransport:
         self.stats.messages_received += 1
         self.stats.bytes_received += data.nbytes
 
+    async def recv_frame_into(
+        self,
+        rank: int,
+        seq: int,
+        phase: int,
+        slot: int,
+        buf: Any,
+        extra: Iterable[asyncio.Future] = (),
+    ) -> Frame:
+        frame = await self.recv_frame(rank, seq, phase, slot, extra)
+        await self.recv_payload(rank, frame, buf, extra)
+        return frame
+
     async def exchange_frames(
         self, frame: Frame, payload: Any, peers: Iterable[int], extra: Iterable[asyncio.Future] = ()
     ) -> list[Frame]:

@@ -29,6 +29,28 @@ async def _key(store, key, timeout=40.0):
         await asyncio.sleep(0.01)
 
 
+def _frame_from_rank1(job, comm, seq, phase, slot, numel, payload, dtype=np.float32, **fields):
+    """A DATA frame of an allreduce (sum, 32 bits) that claims to come from rank 1."""
+    from cgx_ucx.transport.frames import Coll, Frame, Kind, Op, dtype_code
+
+    return Frame(
+        kind=Kind.DATA,
+        job=job,
+        comm=comm,
+        seq=seq,
+        src=1,
+        phase=phase,
+        slot=slot,
+        collective=Coll.ALLREDUCE,
+        reduce_op=Op.SUM,
+        dtype=dtype_code(dtype),
+        bits=32,
+        numel=numel,
+        payload=payload,
+        **fields,
+    )
+
+
 def _unkeyed_tag(comm: int, seq: int, src: int, phase: int, slot: int, payload: bool) -> int:
     """A tag laid out without a secret (communicator 12 | seq 20 | src 12 | phase 4 |
     slot 15 | payload 1): one that a store reader can compute."""
@@ -46,7 +68,6 @@ async def _inject(ctx, foreign_job: bool) -> int:
     every tag a store reader could compute, with payloads of 1001.0."""
     import ucxx
 
-    from cgx_ucx.transport.frames import Coll, Frame, Kind, Op, dtype_code
     from cgx_ucx.transport.handshake import structured_tag
     from cgx_ucx.transport.rendezvous import PeerAddress
 
@@ -64,21 +85,8 @@ async def _inject(ctx, foreign_job: bool) -> int:
     for seq in range(2, 6):
         for phase in range(4):
             for slot in range(2):
-                head = Frame(
-                    kind=Kind.DATA,
-                    job=job,
-                    comm=comm,
-                    seq=seq,
-                    src=1,
-                    phase=phase,
-                    slot=slot,
-                    collective=Coll.ALLREDUCE,
-                    reduce_op=Op.SUM,
-                    dtype=dtype_code(np.float32),
-                    bits=32,
-                    numel=N,
-                    payload=payload.nbytes,
-                    count=1,
+                head = _frame_from_rank1(
+                    job, comm, seq, phase, slot, N, payload.nbytes, count=1
                 ).pack()
                 guesses = [structured_tag(seq, phase, slot, False)]
                 token_bits = struct.unpack_from("<H", raw, 8)[0] & 0xFFF  # 12 random bits
@@ -159,29 +167,15 @@ def _forged(kind: str, frame, key: bytes) -> np.ndarray:
 
 async def forged_inline(ctx, kind):
     from cgx_ucx.collectives.call import PH_SIG
-    from cgx_ucx.transport.frames import Algo, Coll, Frame, Kind, Op, dtype_code
+    from cgx_ucx.transport.frames import Algo
 
     async with await connect(ctx.store, ctx.rank, 2, config=CFG) as comm:
         await comm.barrier()
         mesh = comm._mesh
         if ctx.rank == 1:
             seq = comm._seq
-            frame = Frame(
-                kind=Kind.DATA,
-                job=mesh.job,
-                comm=mesh.comm_id,
-                seq=seq,
-                src=1,
-                phase=PH_SIG,
-                slot=0,
-                collective=Coll.ALLREDUCE,
-                reduce_op=Op.SUM,
-                dtype=dtype_code(np.float32),
-                bits=32,
-                algorithm=Algo.ONESHOT,
-                numel=100,
-                payload=400,
-                count=1,
+            frame = _frame_from_rank1(
+                mesh.job, mesh.comm_id, seq, PH_SIG, 0, 100, 400, algorithm=Algo.ONESHOT, count=1
             )
             msg = _forged(kind, frame, mesh.peers[0].keys.key)
             tag = mesh.tag(seq, 1, PH_SIG, 0, False)
@@ -364,3 +358,76 @@ def test_two_hundred_communicators_in_one_job_never_collide():
     (ids0, wrong0), (ids1, wrong1) = run_ranks(many_communicators, 2, timeout=230)
     assert ids0 == ids1 and len(set(ids0)) == GROUPS
     assert wrong0 == wrong1 == []
+
+
+# -- a payload received together with its header ----------------------------------------
+
+#: How rank 1 sends rank 0 the frame and payload that rank 0 receives with
+#: ``recv_frame_into`` (payload receive posted with the header's): as the protocol does,
+#: payload first, a header announcing another size, a payload longer than announced.
+PREPOSTED = ["header-then-payload", "payload-first", "wrong-size", "oversized"]
+PREPOSTED_NBYTES = 1 << 20  # above the inline bound: the payload is its own message
+
+
+async def preposted(ctx, kind):
+    from cgx_ucx.collectives.call import PH_DATA
+
+    async with await connect(ctx.store, ctx.rank, 2, config=CFG) as comm:
+        await comm.barrier()
+        mesh = comm._mesh
+        seq, slot = comm._seq + 5, 3  # a collective and a slot nobody else uses
+        n = PREPOSTED_NBYTES
+        if ctx.rank == 1:
+            size = n + (kind == "wrong-size")
+            frame = _frame_from_rank1(
+                mesh.job, mesh.comm_id, seq, PH_DATA, slot, n, size, np.uint8, count=4
+            )
+            head = np.frombuffer(frame.pack(mesh.peers[0].keys.key), np.uint8)
+            body = np.arange(n + (kind == "oversized"), dtype=np.uint64).astype(np.uint8)
+            await _key(ctx.store, "posted/0")
+            sends = [
+                (mesh.tag(seq, 1, PH_DATA, slot, False), head),
+                (mesh.tag(seq, 1, PH_DATA, slot, True), body),
+            ]
+            if kind == "payload-first":
+                sends.reverse()
+            tasks = [asyncio.ensure_future(mesh.send(0, t, m, "test frame")) for t, m in sends]
+            await _key(ctx.store, "done/0")
+            await asyncio.wait(tasks, timeout=1.0)  # a refused one may never complete
+            for t in tasks:
+                t.cancel()
+            return None
+        buf = np.zeros(n, np.uint8)
+        got = asyncio.ensure_future(mesh.recv_frame_into(1, seq, PH_DATA, slot, buf))
+        await asyncio.sleep(0.05)  # both receives are posted before anything is sent
+        ctx.store.set("posted/0", b"1")
+        start = time.monotonic()
+        try:
+            frame = await got
+            outcome = f"frame {frame.slot} count {frame.count}"
+        except CGXError as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        finally:
+            ctx.store.set("done/0", b"1")
+        expected = np.arange(n, dtype=np.uint64).astype(np.uint8)
+        lost = mesh.peers[1].lost
+        return outcome, time.monotonic() - start, np.array_equal(buf, expected), repr(lost)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", PREPOSTED)
+def test_payload_posted_with_its_header(kind):
+    """A receiver that knows a payload's size posts its receive with the header's: the
+    bytes land in place in either order of arrival; a header announcing another size, or
+    a payload longer than the buffer, is a ProtocolError naming the sender at once, and
+    the sender (it held the pair key) is dropped."""
+    outcome, elapsed, landed, lost = run_ranks(
+        preposted, 2, args=(kind,), timeout=50, env=MESSAGES_ONLY
+    )[0]
+    if kind in ("header-then-payload", "payload-first"):
+        assert outcome == "frame 3 count 4" and landed and lost == "None", (outcome, lost)
+        return
+    assert outcome.startswith("ProtocolError") and "rank 1" in outcome, outcome
+    expected = "announced 1048577 payload bytes" if kind == "wrong-size" else "oversized"
+    assert expected in outcome, outcome
+    assert elapsed < CFG.timeout / 2 and "ProtocolError" in lost, lost

@@ -66,8 +66,7 @@ async def run_allgather(call: Call, state: tuple[Any, Any, Any]) -> Any:
     async def recv_from(p: int) -> None:
         row = byte_view(rows[p])
         for k, (a, b) in enumerate(pieces):
-            frame = await call.recv_header(p, PH_DATA, k)
-            await call.recv_payload(p, frame, row[a:b])
+            await call.recv_piece(p, PH_DATA, k, row[a:b])
 
     await gather_or_cancel(
         [

@@ -159,19 +159,20 @@ async def run_alltoall(
     async def recv_from(p: int) -> None:
         block = byte_view(dst[ro[p] : ro[p] + rc[p]])
         pieces = byte_pieces(block.size)
-        for k, (a, b) in enumerate(pieces):
-            frame = await call.recv_header(p, PH_DATA, k)
-            if frame.count != len(pieces) or frame.payload != b - a:
-                if k == 0:
-                    await call.drain(p, frame, PH_DATA)
-                    n = frame.payload // flat.dtype.itemsize
-                    sent = f"{n}" if frame.count == 1 else f"about {n * frame.count}"
-                    problems.append(
-                        f"rank {p} sends rank {r} {sent} values, rank {r} expects {rc[p]}"
-                    )
-                    return
+        (a, b), *rest = pieces
+        frame = await call.recv_header(p, PH_DATA, 0)
+        if frame.count != len(pieces) or frame.payload != b - a:
+            await call.drain(p, frame, PH_DATA)
+            n = frame.payload // flat.dtype.itemsize
+            sent = f"{n}" if frame.count == 1 else f"about {n * frame.count}"
+            problems.append(f"rank {p} sends rank {r} {sent} values, rank {r} expects {rc[p]}")
+            return
+        await call.recv_payload(p, frame, block[a:b])
+        # The block's size was checked on its first piece: the rest land in place.
+        for k, (a, b) in enumerate(rest, 1):
+            frame = await call.recv_piece(p, PH_DATA, k, block[a:b])
+            if frame.count != len(pieces):
                 raise ProtocolError(f"rank {p} changed its block size mid-way")
-            await call.recv_payload(p, frame, block[a:b])
 
     peers = call.transport.peers
     await gather_or_cancel([*(s for p in peers for s in sends(p)), *(recv_from(p) for p in peers)])

@@ -53,5 +53,4 @@ async def run_broadcast(call: Call, state: tuple[Any, int]) -> None:
         )
     else:
         for k, (a, b) in enumerate(pieces):
-            frame = await call.recv_header(root, PH_DATA, k)
-            await call.recv_payload(root, frame, data[a:b])
+            await call.recv_piece(root, PH_DATA, k, data[a:b])

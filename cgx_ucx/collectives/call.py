@@ -330,14 +330,31 @@ class Call:
         frame = await self.transport.recv_frame(
             peer, self.seq, phase, slot + self.slot_base, self.extra
         )
+        if not first:
+            self.check_signature(peer, frame)
+        return frame
+
+    async def recv_piece(self, peer: int, phase: int, slot: int, buf: Any) -> Frame:
+        """The header of (phase, slot) from ``peer`` and its payload into ``buf``, whose size
+        is known beforehand (:meth:`~.transport.Transport.recv_frame_into`: the payload's
+        receive is posted with the header's). Not for a collective's first frame from a
+        peer: a mismatched collective is drained by its header, never received into
+        ``buf``."""
+        frame = await self.transport.recv_frame_into(
+            peer, self.seq, phase, slot + self.slot_base, byte_view(buf), self.extra
+        )
+        self.check_signature(peer, frame)
+        return frame
+
+    def check_signature(self, peer: int, frame: Frame) -> None:
+        """A frame after ``peer``'s first of this collective carries the same signature."""
         assert self.template is not None
-        if not first and frame.signature != self.template.signature:
+        if frame.signature != self.template.signature:
             err = ProtocolError(
                 f"rank {peer} changed the signature of collective #{self.seq} mid-way"
             )
             self.transport.lose(peer, err)
             raise err
-        return frame
 
     async def recv_payload(self, peer: int, frame: Frame, buf: Any) -> None:
         await self.transport.recv_payload(peer, frame, byte_view(buf), self.extra)

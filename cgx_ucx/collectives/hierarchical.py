@@ -291,6 +291,11 @@ class Hierarchical(PieceSteps):
         node, pieces = self.node, self.plan.chunks[self.local].pieces
         try:
             for k, piece in enumerate(pieces):
+                if k and not self.shm:
+                    buf = self.call.take(self.intra_nbytes(piece), self.x)
+                    await node.recv_piece(p, PH_SIG, k, buf)
+                    self.arrived[(p, k)].set_result(buf)
+                    continue
                 frame = await node.recv_header(p, PH_SIG, k, first=k == 0)
                 if k == 0:
                     problem = await node.check_first(p, frame)
@@ -530,8 +535,13 @@ class Hierarchical(PieceSteps):
             await self.gather_forwarded(j)
             return
         pieces = self.plan.chunks[j].pieces
+        into_x = not (self.requantizes or self.shm)
         for k, piece in enumerate(pieces):
-            frame = await self.node.recv_header(j, PH_HIER_GATHER, k)
+            if into_x:
+                dst = self.x[piece.start : piece.stop]
+                frame = await self.node.recv_piece(j, PH_HIER_GATHER, k, dst)
+            else:
+                frame = await self.node.recv_header(j, PH_HIER_GATHER, k)
             if frame.count != len(pieces):
                 raise ProtocolError(f"rank {self.node.view.real(j)} announced {frame.count} pieces")
             if self.requantizes:  # the owner's wire bytes, decoded from its segment
@@ -540,8 +550,6 @@ class Hierarchical(PieceSteps):
             elif self.shm:
                 src = await self.recv_shared(j, frame, piece)
                 byte_view(self.x[piece.start : piece.stop])[...] = src
-            else:
-                await self.node.recv_payload(j, frame, self.x[piece.start : piece.stop])
         if self.shm:
             await self.node.send(j, PH_HIER_DONE, 0, None, 1)
 

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..arrays import xp_of
-from ..transport.frames import Algo, Frame
+from ..errors import ProtocolError
+from ..transport.frames import Algo
 from .call import Call
 from .piece_codec import (
     decode_add_piece,
@@ -217,14 +218,20 @@ class PieceSteps:
             self.rank,
         )
 
-    async def recv_result(self, peer: int, frame: Frame, piece: Piece) -> Any:
-        """Receive a reduced piece from ``peer`` into the caller's buffer; returns what
+    async def recv_result(
+        self, peer: int, phase: int, slot: int, piece: Piece, count: int | None = None
+    ) -> Any:
+        """Receive the reduced ``piece`` that ``peer`` sends on (phase, slot) into the
+        caller's buffer (``count``: the pieces its header must announce); returns what
         arrived (the buffer's slice on the raw path, the wire bytes otherwise)."""
         if self.spec.raw:
-            dst = self.x[piece.start : piece.stop]
-            await self.call.recv_payload(peer, frame, dst)
-            return dst
-        buf = self.call.take(piece.wire_nbytes(self.dtype), self.x)
-        await self.call.recv_payload(peer, frame, buf)
+            buf = self.x[piece.start : piece.stop]
+        else:
+            buf = self.call.take(piece.wire_nbytes(self.dtype), self.x)
+        frame = await self.call.recv_piece(peer, phase, slot, buf)
+        if count is not None and frame.count != count:
+            raise ProtocolError(f"rank {peer} announced {frame.count} pieces, {count} expected")
+        if self.spec.raw:
+            return buf
         await self.codec.run(piece.numel, decode_piece, buf, piece, self.x, 0, self.dtype)
         return buf

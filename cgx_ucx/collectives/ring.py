@@ -148,13 +148,12 @@ class Ring(PieceSteps):
             self.send(PH_DATA, s + 1, k, wire, count, staged=True)
 
     async def recv_partial(self, s: int, k: int, count: int, piece: Piece) -> Any:
-        frame = await self.call.recv_header(self.left, PH_DATA, s * self.P + k)
+        buf = self.call.take(self.payload_nbytes(piece), self.x)
+        frame = await self.call.recv_piece(self.left, PH_DATA, s * self.P + k, buf)
         if frame.count != count:
             raise ProtocolError(
                 f"rank {self.left} announced {frame.count} pieces, {count} expected"
             )
-        buf = self.call.take(self.payload_nbytes(piece), self.x)
-        await self.call.recv_payload(self.left, frame, buf)
         return buf
 
     # -- step 2 --------------------------------------------------------------------------
@@ -178,8 +177,7 @@ class Ring(PieceSteps):
         for s in range(self.steps):
             chunk = self.plan.chunks[(self.rank - s) % self.n_world]
             for k, piece in enumerate(chunk.pieces):
-                frame = await self.call.recv_header(self.left, PH_GATHER, s * self.P + k)
-                got = await self.recv_result(self.left, frame, piece)
+                got = await self.recv_result(self.left, PH_GATHER, s * self.P + k, piece)
                 staged = not self.spec.raw
                 if s < self.steps - 1:
                     self.send(PH_GATHER, s + 1, k, byte_view(got), len(chunk.pieces), staged)

@@ -136,6 +136,23 @@ class _Streams:
             f.add_done_callback(_consumed)
         return f
 
+    def arrival(self, peer: int, k: int, buf: Any) -> Callable[[asyncio.Future], None]:
+        """A done-callback for the receive of ``peer``'s piece ``k`` into ``buf``: its
+        future gets ``buf``, or the receive's error."""
+
+        def done(got: asyncio.Future) -> None:
+            f = self.fut(peer, k)
+            if f.done():
+                return
+            if got.cancelled():
+                f.cancel()
+            elif got.exception() is not None:
+                f.set_exception(got.exception())  # type: ignore[arg-type]
+            else:
+                f.set_result(buf)
+
+        return done
+
     def fail_peer(self, peer: int, exc: BaseException) -> None:
         for (p, _), f in self.futs.items():
             if p == peer and not f.done():
@@ -213,22 +230,34 @@ class Sra(PieceSteps):
         await gather_or_cancel(sends)
 
     async def scatter_recv(self, p: int) -> None:
-        """The pieces of our chunk from peer ``p``, after checking its signature."""
+        """The pieces of our chunk from peer ``p``, after checking its signature. Each
+        piece's receive is posted as soon as the window lets it, not once the piece before
+        it arrived: over TCP, UCX copies a piece that arrives before its receive twice."""
         call, pieces = self.call, self.own.pieces
+        posted: list[asyncio.Future] = []
         try:
+            if not pieces:
+                return
+            frame = await call.recv_header(p, PH_SIG, 0, first=True)
+            if not await self.accept_signature(p, frame):
+                return
             for k, piece in enumerate(pieces):
-                frame = await call.recv_header(p, PH_SIG, k, first=k == 0)
-                if k == 0 and not await self.accept_signature(p, frame):
-                    return
                 await self.window[p].acquire()
                 buf = call.take(self.payload_nbytes(piece), self.x)
-                await call.recv_payload(p, frame, buf)
-                self.scatter.fut(p, k).set_result(buf)
+                if k == 0:
+                    got = asyncio.ensure_future(call.recv_payload(p, frame, buf))
+                else:
+                    got = asyncio.ensure_future(call.recv_piece(p, PH_SIG, k, buf))
+                got.add_done_callback(self.scatter.arrival(p, k, buf))
+                posted.append(got)
+            await gather_or_cancel(posted)
         except BaseException as exc:
             if not self.sig_futs[p].done():
                 self.sig_futs[p].set_exception(exc)
             self.scatter.fail_peer(p, exc)
             raise
+        finally:
+            await cancel_pending(posted)
 
     async def accept_signature(self, p: int, frame: Frame) -> bool:
         """Whether peer ``p`` called the same collective (if not, it is drained and noted)."""
@@ -335,11 +364,17 @@ class Sra(PieceSteps):
     async def gather_recv(self, p: int) -> None:
         """Peer ``p``'s reduced chunk, piece by piece, into the caller's buffer."""
         pieces = self.plan.chunks[p].pieces
+        if self.spec.raw:
+            # Each piece lands in the caller's buffer, so every receive is posted at once
+            # and costs no staging: a piece that arrives before its receive is posted is
+            # copied twice by UCX over TCP.
+            await gather_or_cancel(
+                self.recv_result(p, PH_DATA, k, piece, len(pieces))
+                for k, piece in enumerate(pieces)
+            )
+            return
         for k, piece in enumerate(pieces):
-            frame = await self.call.recv_header(p, PH_DATA, k)
-            if frame.count != len(pieces):
-                raise ProtocolError(f"rank {p} announced {frame.count} pieces")
-            got = await self.recv_result(p, frame, piece)
+            got = await self.recv_result(p, PH_DATA, k, piece, len(pieces))
             if self.on_result is not None:
                 self.on_result(p, k, got)
             if not self.spec.raw:

@@ -91,6 +91,17 @@ class GroupView:
     ) -> None:
         await self.base.recv_payload(self.ranks[rank], frame, buf, extra)
 
+    async def recv_frame_into(
+        self,
+        rank: int,
+        seq: int,
+        phase: int,
+        slot: int,
+        buf: Any,
+        extra: Iterable[asyncio.Future] = (),
+    ) -> Frame:
+        return await self.base.recv_frame_into(self.ranks[rank], seq, phase, slot, buf, extra)
+
     async def exchange_frames(
         self, frame: Frame, payload: Any, peers: Iterable[int], extra: Iterable[asyncio.Future] = ()
     ) -> list[Frame]:

@@ -5,7 +5,8 @@ implementation; the unit tests run SRA and ring over an in-memory one. Everythin
 collectives send goes through :meth:`Transport.send_frame`: a 64-byte header tagged by
 (sequence, phase, slot), optionally followed by a payload that the receiver takes only
 after it validated the header (:meth:`Transport.recv_frame`, then
-:meth:`Transport.recv_payload` into a buffer of exactly the announced size).
+:meth:`Transport.recv_payload` into a buffer of exactly the announced size, or both at
+once with :meth:`Transport.recv_frame_into` where that size is known beforehand).
 
 Every wait takes ``extra`` futures (the collective's abort future): an operation fails
 as soon as one of them holds an exception, so a peer's ABORT ends the wait at once.
@@ -102,6 +103,21 @@ class Transport(Protocol):
         self, rank: int, frame: Frame, buf: Any, extra: Iterable[asyncio.Future] = ()
     ) -> None:
         """Receive the payload ``frame`` announced into ``buf`` (uint8, exactly its size)."""
+        ...
+
+    async def recv_frame_into(
+        self,
+        rank: int,
+        seq: int,
+        phase: int,
+        slot: int,
+        buf: Any,
+        extra: Iterable[asyncio.Future] = (),
+    ) -> Frame:
+        """:meth:`recv_frame`, then :meth:`recv_payload` into ``buf``, whose size the
+        caller knows beforehand: the payload's receive may be posted with the header's
+        (so that its bytes land in place), but ``buf`` is the caller's only once the header
+        was validated and its size checked."""
         ...
 
     async def exchange_frames(

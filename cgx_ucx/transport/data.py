@@ -14,6 +14,7 @@ from .control import MeshControl
 from .frames import (
     FLAG_INLINE,
     FRAME_NBYTES,
+    MAX_INLINE_NBYTES,
     RECV_NBYTES,
     Frame,
     Kind,
@@ -235,17 +236,59 @@ class MeshData(MeshControl):
         self.stats.bytes_received += FRAME_NBYTES + inline.nbytes + 1
         return frame.with_(flags=frame.flags & ~FLAG_INLINE, inline=inline)
 
+    async def recv_frame_into(
+        self,
+        rank: int,
+        seq: int,
+        phase: int,
+        slot: int,
+        buf: Any,
+        extra: Iterable[asyncio.Future] = (),
+    ) -> Frame:
+        """:meth:`recv_frame`, then :meth:`recv_payload` into ``buf``, for a receiver that
+        knows the payload's size beforehand (a collective's pieces after the first).
+
+        A payload too large to travel inline has its receive posted together with the
+        header's, so that its bytes land in ``buf`` as they arrive: UCX copies a message
+        that arrives before its receive is posted into a descriptor of its own, and again
+        into ``buf`` once it is (over TCP, one copy of every payload byte more; a header
+        takes a loop hop to be handled, by which time much of a large payload is in).
+        The header is still validated, and its announced size checked, before the call
+        returns; the payload cannot be longer than ``buf`` (UCX refuses it)."""
+        nbytes = _nbytes(buf)
+        if nbytes <= MAX_INLINE_NBYTES:
+            frame = await self.recv_frame(rank, seq, phase, slot, extra)
+            await self.recv_payload(rank, frame, buf, extra)
+            return frame
+        tag = structured_tag(seq, phase, slot, True)
+        what = "payload of " + describe_slot(seq, phase, slot)
+        payload = asyncio.ensure_future(self.recv(rank, tag, buf, what, extra))
+        try:
+            frame = await self.recv_frame(rank, seq, phase, slot, extra)
+            # Larger than any inline payload: a header with the right size has none.
+            self._check_payload_size(rank, frame, nbytes)
+            await payload
+        finally:
+            if not payload.done():
+                payload.cancel()
+            elif not payload.cancelled():
+                payload.exception()  # retrieved: the header's error is the one raised
+        return frame
+
+    def _check_payload_size(self, rank: int, frame: Frame, nbytes: int) -> None:
+        if nbytes != frame.payload:
+            err = ProtocolError(
+                f"rank {self.rank}: rank {rank} announced {frame.payload} payload bytes, "
+                f"{nbytes} expected"
+            )
+            self.lose(rank, err)
+            raise copy_error(err)
+
     async def recv_payload(
         self, rank: int, frame: Frame, buf: Any, extra: Iterable[asyncio.Future] = ()
     ) -> None:
         """Receive the payload announced by ``frame`` into ``buf`` (exactly its size)."""
-        if _nbytes(buf) != frame.payload:
-            err = ProtocolError(
-                f"rank {self.rank}: rank {rank} announced {frame.payload} payload bytes, "
-                f"{_nbytes(buf)} expected"
-            )
-            self.lose(rank, err)
-            raise copy_error(err)
+        self._check_payload_size(rank, frame, _nbytes(buf))
         if frame.payload == 0:
             return
         if frame.inline is not None:

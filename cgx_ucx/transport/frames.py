@@ -1,10 +1,12 @@
 """The 80-byte frame header every cgx_ucx message starts with, and its validation.
 
 Each message on the wire is a fixed-size header, optionally followed by a payload sent as
-a second message (the payload is received only after the header was validated, into a
-buffer of exactly the announced, bounded size). Nothing is unpickled; the header is a
-``struct`` closed by a 16-byte check, so a foreign or corrupted frame is a
-:class:`~cgx_ucx.errors.ProtocolError` before any field is trusted.
+a second message, received into a buffer of exactly the announced, bounded size. The
+payload is used only after its header was validated; its receive is posted after the
+header arrived, or with the header's where the receiver knows the size beforehand (the
+pieces of a collective after the first: see ``MeshData.recv_frame_into``). Nothing is
+unpickled; the header is a ``struct`` closed by a 16-byte check, so a foreign or corrupted
+frame is a :class:`~cgx_ucx.errors.ProtocolError` before any field is trusted.
 
 A small contiguous host payload (at most :data:`MAX_INLINE_NBYTES`) instead travels in
 the header's own message (one message and one wake-up per frame rather than two),
