@@ -114,8 +114,9 @@ def test_paper_defaults() -> None:
 
 # -- the hook over CGXState's public API ----------------------------------------------------
 class RecordingCommunicator:
-    """A communicator of ``world_size`` ranks whose allreduce leaves the buffer as it is
-    (every other rank sent zeros) and records its keywords."""
+    """A communicator of ``world_size`` ranks whose allreduce leaves the buffer as every
+    other rank sending zeros would (as it is for a sum, divided by the world size for an
+    average) and records its keywords."""
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
@@ -124,6 +125,8 @@ class RecordingCommunicator:
 
     def allreduce(self, x: Any, op: str = "sum", **kwargs: Any) -> concurrent.futures.Future[Any]:
         self.calls.append({"x": x, "op": op, **kwargs})
+        if op == "avg":
+            x /= self.world_size
         f: concurrent.futures.Future[Any] = concurrent.futures.Future()
         f.set_result(x)
         return f
@@ -207,7 +210,7 @@ def test_hook_runs_its_steps_on_the_public_state_api(with_model: bool) -> None:
         for bucket in buckets:
             before = bucket.buffer().clone()
             fut = cgx_hook(state, bucket)
-            # 3. averaged: divided by the world size, in place, and handed back
+            # 3. averaged (by the engine: the layouts are compressed), in place, handed back
             assert torch.equal(fut.wait(), before / 4) and fut.wait() is bucket.buffer()
         assert state.steps == step + 1
     assert len(comm.calls) == 4
@@ -216,8 +219,8 @@ def test_hook_runs_its_steps_on_the_public_state_api(with_model: bool) -> None:
     assert first["layout"] == layer_layout(params[:2], config, state.layer_min_size)
     assert [s.bits for s in first["layout"]] == [4, 32]
     assert [s.bits for s in second["layout"]] == [4]
-    # 5. SUM with a seed per step and bucket
-    assert all(c["op"] == "sum" and c["stochastic"] is False for c in comm.calls)
+    # 5. AVG (compressed layouts, no error feedback) with a seed per step and bucket
+    assert all(c["op"] == "avg" and c["stochastic"] is False for c in comm.calls)
     assert [c["seed"] for c in comm.calls] == [
         bucket_seed(config, step, index) for step in range(2) for index in range(2)
     ]

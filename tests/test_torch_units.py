@@ -20,6 +20,7 @@ from cgx_ucx.layout import Layout  # noqa: E402
 from cgx_ucx.torch import BACKEND_NAME, CGXOptions, layer_layout, wire_bytes  # noqa: E402
 from cgx_ucx.torch._convert import as_array  # noqa: E402
 from cgx_ucx.torch.futures import Finished, to_torch_future  # noqa: E402
+from cgx_ucx.torch.layers import bucket_op  # noqa: E402
 from cgx_ucx.torch.ops import GroupView, _local_reduce, allreduce_into  # noqa: E402
 from cgx_ucx.torch.options import comm_config as _comm_config  # noqa: E402
 from cgx_ucx.torch.work import CGXWork  # noqa: E402
@@ -304,6 +305,17 @@ def test_wire_bytes() -> None:
     assert wire_bytes(layout, 4, world_size=2) == per_buffer  # 2 * (1/2) of the buffer
     assert wire_bytes(layout, 4, world_size=4) == 2 * per_buffer * 3 // 4
     assert wire_bytes(Layout.uniform(0), 4, world_size=2) == 0
+
+
+@pytest.mark.timeout(30)
+def test_buckets_averaged_by_the_engine_only_when_compressed_without_feedback() -> None:
+    compressed = Layout.from_sizes([4096, 10], CompressionConfig(bits=4, bucket_size=1024))
+    raw = Layout.from_sizes([4096, 10], CompressionConfig())
+    assert bucket_op(compressed, error_feedback=False) == "avg"
+    # Residuals are kept on the averaged values; uncompressed sums equal gloo's.
+    assert bucket_op(compressed, error_feedback=True) == "sum"
+    assert bucket_op(raw, error_feedback=False) == "sum"
+    assert bucket_op(Layout.uniform(0), error_feedback=False) == "sum"
 
 
 # -- configuration ---------------------------------------------------------------------------

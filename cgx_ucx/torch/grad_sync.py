@@ -17,8 +17,9 @@ How (numbered as in PyTorch's comm hooks):
    :func:`~cgx_ucx.torch.layers.layer_layout`, as in :func:`~cgx_ucx.torch.hook.cgx_hook`).
 2. ``Tensor.register_post_accumulate_grad_hook`` on every parameter (public autograd
    API; nothing reaches into ``grad_fn``) copies the accumulated gradient into its
-   bucket. When a bucket is full it is divided by the world size and its compressed
-   allreduce starts on the engine thread while backward goes on. Buckets start in
+   bucket. When a bucket is full its compressed allreduce starts on the engine thread
+   while backward goes on, averaged as :func:`~cgx_ucx.torch.layers.bucket_op` says
+   (by the engine, or divided by the world size first). Buckets start in
    index order on every rank, so ranks whose autograd order differs still pair the
    same buckets (the engine pairs collectives by sequence number).
 3. ``synchronize()`` starts the buckets whose parameters got no gradient in this
@@ -70,7 +71,7 @@ from ._convert import as_array
 from ._feedback import LayerFeedback, split_state
 from ._policy import DEFAULT_LOG_EVERY, PolicyRunner, check_policy_args, named_parameters
 from .communicators import get_communicator
-from .layers import PAPER_DEFAULTS, bucket_seed, layer_layout, wire_bytes
+from .layers import PAPER_DEFAULTS, bucket_op, bucket_seed, layer_layout, wire_bytes
 from .protocols import Communicator
 
 __all__ = ["GradientSync"]
@@ -315,7 +316,9 @@ class GradientSync:
                 for p, off in zip(bucket.params, bucket.offsets, strict=True)
             ]
             self._runner.observe(self.steps, views, bucket.indices)
-        buf.div_(self.world_size)
+        op = bucket_op(bucket.layout, self._feedback is not None)
+        if op == "sum":
+            buf.div_(self.world_size)
         if self._feedback is not None:
             if self._find_unused:
                 idle = [s for s in range(len(bucket.params)) if s not in bucket.used]
@@ -324,7 +327,7 @@ class GradientSync:
         try:
             bucket.future = self.communicator.allreduce(
                 as_array(buf),
-                op="sum",
+                op=op,
                 layout=bucket.layout,
                 stochastic=config.stochastic,
                 seed=bucket_seed(config, self.steps, bucket.index),

@@ -22,12 +22,14 @@ hooks):
    bucket size, after seeing this rank's gradients (``policy.observe``, which works
    only on the steps before a decision and on logging steps). The last bucket of a step
    then calls ``state.end_step()``.
-3. Divide the bucket by the world size (as PyTorch's allreduce_hook, so fp16 sums do
-   not overflow).
+3. Average: a compressed bucket (without error feedback) is sent with op "avg", and
+   the engine divides each reduced piece as it requantizes it; any other bucket is
+   divided by the world size first (as PyTorch's allreduce_hook, so fp16 sums do not
+   overflow) and summed (:func:`~cgx_ucx.torch.layers.bucket_op`).
 4. ``state.apply_error_feedback(...)``: with error feedback, add each compressed
    layer's residual from the previous step and keep the new residual
    ``c - decode(encode(c))`` of what is sent.
-5. Submit the compressed allreduce (SUM) to the engine and return a torch future at
+5. Submit the compressed allreduce to the engine and return a torch future at
    once: backward goes on while the bucket travels.
 6. ``state.record_sent(...)``: the stats, from the layout
    (:func:`~cgx_ucx.torch.layers.wire_bytes`).
@@ -59,7 +61,7 @@ from ._policy import (
 )
 from .communicators import get_communicator
 from .futures import to_torch_future
-from .layers import PAPER_DEFAULTS, bucket_seed, layer_layout, wire_bytes
+from .layers import PAPER_DEFAULTS, bucket_op, bucket_seed, layer_layout, wire_bytes
 from .protocols import Communicator
 
 # layer_layout and wire_bytes live in .layers; re-exported here where users found them.
@@ -349,14 +351,17 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
     finally:
         if last:
             state.end_step()
-    # 3. Average, not sum: divide first, as PyTorch's allreduce_hook (fp16 sums).
-    buf.div_(state.world_size)
+    # 3. Average, not sum: the engine divides a compressed bucket as it requantizes it;
+    # any other is divided first, as PyTorch's allreduce_hook (fp16 sums).
+    op = bucket_op(layout, state.error_feedback)
+    if op == "sum":
+        buf.div_(state.world_size)
     # 4. Error feedback: add the residuals, keep the new ones.
     state.apply_error_feedback(index, buf, layout)
     # 5. Submit the compressed allreduce; backward goes on while the bucket travels.
     cf = state.communicator.allreduce(
         as_array(buf),
-        op="sum",
+        op=op,
         layout=layout,
         stochastic=config.stochastic,
         seed=bucket_seed(config, state.steps, index),

@@ -28,6 +28,7 @@ from ._convert import is_float
 
 __all__ = [
     "PAPER_DEFAULTS",
+    "bucket_op",
     "bucket_seed",
     "compressible",
     "layer_layout",
@@ -88,6 +89,18 @@ def wire_bytes(layout: Layout, itemsize: int, world_size: int) -> int:
     """
     total = sum(layer_wire_bytes(spec, itemsize) for spec in layout)
     return 2 * total * (world_size - 1) // max(world_size, 1)
+
+
+def bucket_op(layout: Layout, error_feedback: bool) -> str:
+    """How a gradient bucket of ``layout`` is averaged: ``"avg"``, by the engine, or
+    ``"sum"`` after the caller divided the bucket by the world size.
+
+    A compressed layout sums in float32 and the engine divides each reduced piece as it
+    requantizes it: no pass over the bucket of its own. An uncompressed one is divided
+    first, as PyTorch's allreduce_hook (fp16 sums do not overflow, and the result is
+    gloo's bit for bit); so is a bucket with error feedback, whose residuals are kept,
+    and checkpointed, on the averaged values."""
+    return "avg" if layout.compressed and not error_feedback else "sum"
 
 
 def bucket_seed(config: CompressionConfig, step: int, index: int) -> int:
