@@ -287,33 +287,38 @@ class Hierarchical(PieceSteps):
             raise ProtocolError(f"rank {real} described {desc.nbytes} bytes, {nbytes} expected")
         return self.call.pool.peer_view(self.call.rank, real, desc)
 
+    async def accept_first(self, p: int, frame: Any, count: int) -> bool:
+        """Whether node peer ``p``'s first frame is of this collective (if not, it is
+        drained and noted), announcing ``count`` pieces."""
+        node = self.node
+        problem = await node.check_first(p, frame)
+        if problem:
+            self.problems.append(problem)
+            self.sigs[p].set_result(False)
+            return False
+        if frame.count != count:
+            raise ProtocolError(
+                f"rank {node.view.real(p)} sends {frame.count} pieces, {count} expected"
+            )
+        self.sigs[p].set_result(True)
+        return True
+
     async def scatter_recv(self, p: int) -> None:
         node, pieces = self.node, self.plan.chunks[self.local].pieces
         try:
             for k, piece in enumerate(pieces):
-                if k and not self.shm:
-                    buf = self.call.take(self.intra_nbytes(piece), self.x)
-                    await node.recv_piece(p, PH_SIG, k, buf)
-                    self.arrived[(p, k)].set_result(buf)
-                    continue
-                frame = await node.recv_header(p, PH_SIG, k, first=k == 0)
-                if k == 0:
-                    problem = await node.check_first(p, frame)
-                    if problem:
-                        self.problems.append(problem)
-                        self.sigs[p].set_result(False)
+                if k == 0 or self.shm:
+                    frame = await node.recv_header(p, PH_SIG, k, first=k == 0)
+                    if k == 0 and not await self.accept_first(p, frame, len(pieces)):
                         return
-                    if frame.count != len(pieces):
-                        raise ProtocolError(
-                            f"rank {node.view.real(p)} sends {frame.count} pieces, "
-                            f"{len(pieces)} expected"
-                        )
-                    self.sigs[p].set_result(True)
                 if self.shm:
                     buf = await self.recv_shared(p, frame, piece)
                 else:
                     buf = self.call.take(self.intra_nbytes(piece), self.x)
-                    await node.recv_payload(p, frame, buf)
+                    if k == 0:
+                        await node.recv_payload(p, frame, buf)
+                    else:  # its size is known: the payload's receive goes with the header's
+                        await node.recv_piece(p, PH_SIG, k, buf)
                 self.arrived[(p, k)].set_result(buf)
         except BaseException as exc:
             for (q, _), f in self.arrived.items():

@@ -71,7 +71,7 @@ from ._convert import as_array
 from ._feedback import LayerFeedback, split_state
 from ._policy import DEFAULT_LOG_EVERY, PolicyRunner, check_policy_args, named_parameters
 from .communicators import get_communicator
-from .layers import PAPER_DEFAULTS, bucket_op, bucket_seed, layer_layout, wire_bytes
+from .layers import PAPER_DEFAULTS, average_first, bucket_seed, layer_layout, wire_bytes
 from .protocols import Communicator
 
 __all__ = ["GradientSync"]
@@ -316,9 +316,7 @@ class GradientSync:
                 for p, off in zip(bucket.params, bucket.offsets, strict=True)
             ]
             self._runner.observe(self.steps, views, bucket.indices)
-        op = bucket_op(bucket.layout, self._feedback is not None)
-        if op == "sum":
-            buf.div_(self.world_size)
+        op = average_first(buf, bucket.layout, self._feedback is not None, self.world_size)
         if self._feedback is not None:
             if self._find_unused:
                 idle = [s for s in range(len(bucket.params)) if s not in bucket.used]

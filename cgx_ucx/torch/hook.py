@@ -61,7 +61,7 @@ from ._policy import (
 )
 from .communicators import get_communicator
 from .futures import to_torch_future
-from .layers import PAPER_DEFAULTS, bucket_op, bucket_seed, layer_layout, wire_bytes
+from .layers import PAPER_DEFAULTS, average_first, bucket_seed, layer_layout, wire_bytes
 from .protocols import Communicator
 
 # layer_layout and wire_bytes live in .layers; re-exported here where users found them.
@@ -353,9 +353,7 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
             state.end_step()
     # 3. Average, not sum: the engine divides a compressed bucket as it requantizes it;
     # any other is divided first, as PyTorch's allreduce_hook (fp16 sums).
-    op = bucket_op(layout, state.error_feedback)
-    if op == "sum":
-        buf.div_(state.world_size)
+    op = average_first(buf, layout, state.error_feedback, state.world_size)
     # 4. Error feedback: add the residuals, keep the new ones.
     state.apply_error_feedback(index, buf, layout)
     # 5. Submit the compressed allreduce; backward goes on while the bucket travels.

@@ -28,6 +28,7 @@ from ._convert import is_float
 
 __all__ = [
     "PAPER_DEFAULTS",
+    "average_first",
     "bucket_op",
     "bucket_seed",
     "compressible",
@@ -101,6 +102,15 @@ def bucket_op(layout: Layout, error_feedback: bool) -> str:
     gloo's bit for bit); so is a bucket with error feedback, whose residuals are kept,
     and checkpointed, on the averaged values."""
     return "avg" if layout.compressed and not error_feedback else "sum"
+
+
+def average_first(buf: torch.Tensor, layout: Layout, error_feedback: bool, world_size: int) -> str:
+    """The op to send gradient bucket ``buf`` with (:func:`bucket_op`); where that is
+    ``"sum"``, ``buf`` is divided by ``world_size`` here, in place, first."""
+    op = bucket_op(layout, error_feedback)
+    if op == "sum":
+        buf.div_(world_size)
+    return op
 
 
 def bucket_seed(config: CompressionConfig, step: int, index: int) -> int:
