@@ -192,6 +192,37 @@ def test_float32_within_rounding_of_an_n_term_sum(layout):
     assert_replicas_identical(results)
 
 
+@pytest.mark.parametrize("cross", ["sra", "ring"])
+def test_average_taken_once_across_nodes(cross):
+    """op="avg": the cross-node stage divides by the whole world's size where it reduces,
+    and nothing divides again: uncompressed within the rounding of an n-term sum and
+    compressed within its quantization bound, of the average, on both cross-node
+    algorithms, with the replicas bit-identical."""
+    sizes = LAYOUTS["3x2"]
+    world = sum(sizes)
+    n = 6001
+
+    async def body(comm):
+        out = []
+        for bits in (32, 4):
+            x = smooth_data(comm.rank, n)
+            await comm.allreduce(x, "avg", bits=bits, bucket_size=128, algorithm="hierarchical")
+            out.append(x)
+        return out
+
+    results = ok(run_nodes(sizes, body, HierarchyConfig(cross_reduction=cross))[0])
+    xs = [smooth_data(r, n) for r in range(world)]
+    exact = sum(x.astype(np.float64) for x in xs) / world
+    tol = world * np.finfo(np.float32).eps * (sum(np.abs(x.astype(np.float64)) for x in xs) / world)
+    assert np.all(np.abs(results[0][0] - exact) <= tol + 1e-30)
+    bound = quantization_bound(xs, Layout.uniform(n, 4, 128), world) / world
+    err = np.abs(results[0][1].astype(np.float64) - exact)
+    assert np.all(err <= bound), f"excess {np.max(err - bound, initial=0)}"
+    assert np.max(err) > 0  # quantized, so not the exact average
+    for i in range(2):
+        assert_replicas_identical([r[i] for r in results])
+
+
 COMPRESSED = [(0, 4, 64), (1, 4, 64), (3001, 4, 128), (777, 2, 100), (9000, 4, 1024)]
 MIXED = Layout((LayerSpec(0, 1500, 4, 128), LayerSpec(1500, 77), LayerSpec(1577, 1001, 2, 100)))
 
@@ -310,9 +341,9 @@ def test_owners_forward_the_cross_node_wire_bytes_and_peers_decode_the_same_valu
     monkeypatch, layout, op
 ):
     """Compressed float32 shards reach node peers as the cross-node stage's wire bytes,
-    which they decode (and divide, for avg): bit for bit the values of the path that sends
-    the owner's values (cut into the same pieces), on every rank, with an uncompressed
-    layer in the layout."""
+    which they decode (averaged already, for avg): bit for bit the values of the path
+    that sends the owner's values (cut into the same pieces), on every rank, with an
+    uncompressed layer in the layout."""
     monkeypatch.setattr(hierarchical_plan, "SHARED_PIECE_FACTOR", 1)
     sizes = LAYOUTS[layout]
     forwarded: Counter = Counter()

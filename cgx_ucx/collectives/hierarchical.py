@@ -16,14 +16,16 @@ into ``S`` shards on bucket boundaries (:mod:`.plan`). On a rank of local index 
    of the smallest node (and as many of every other node) carries cross-node traffic, so
    each node sends about the compressed size of the buffer over its link, not ``L``
    times it. Those algorithms leave the owners of one shard with bit-identical values.
+   For ``op="avg"`` they divide by the whole world's size where they reduce (before
+   requantizing), so no pass over the shard divides afterwards, on any rank.
 3. Intra-node allgather (phase 4, node peers): each owner writes its shard into the
-   caller's buffer (divided by the world size for ``op="avg"``) and sends those bytes,
-   uncompressed, to its node peers. Re-quantizing here would add a third rounding of
-   values that already crossed the network quantized, to save node-local bytes only.
+   caller's buffer and sends those bytes, uncompressed, to its node peers. Re-quantizing
+   here would add a third rounding of values that already crossed the network quantized,
+   to save node-local bytes only.
    Where the shard crossed nodes compressed by SRA into a float32 buffer through shared
    segments, the owner forwards the wire bytes of the cross-node stage instead (one
    frame per cross-node group): every node peer decodes them into its buffer, as the
-   other nodes' replicas did, and divides as the owner did. The same values, without
+   other nodes' replicas did. The same values, without
    the owner's copy of its shard into a segment: a decode writes what a copy would and
    reads an eighth of it at 4 bits.
 
@@ -419,7 +421,7 @@ class Hierarchical(PieceSteps):
         else:
             keep = None if fwd is None else keep_results(seg.array, *fwd[1:3])
             await sra(group, a, cross, keep, addend)
-        self.finish(sub, a)
+        self.finish(sub, a, averaged=group.world_size > 1)
         if fwd is not None:
             g, offset, _, total = fwd
             payload = seg.describe(offset, total).pack()
@@ -525,9 +527,10 @@ class Hierarchical(PieceSteps):
             return None
         return joined.view(self.dtype)
 
-    def finish(self, chunk: Chunk, acc: Any) -> None:
-        """The shard's final values into the caller's buffer (averaged if asked)."""
-        if self.spec.avg:
+    def finish(self, chunk: Chunk, acc: Any, averaged: bool) -> None:
+        """The shard's final values into the caller's buffer, averaged if asked and the
+        cross-node stage (``averaged``: it ran) did not average them already."""
+        if self.spec.avg and not averaged:
             self.xp.divide(acc, self.n_world, out=acc)
         if not self.spec.inplace:
             self.x[chunk.start : chunk.stop] = acc
@@ -560,7 +563,8 @@ class Hierarchical(PieceSteps):
 
     async def gather_forwarded(self, j: int) -> None:
         """Owner ``j``'s shard from the wire bytes of its cross-node stage, group by group
-        (:meth:`forwards`): decoded into the caller's buffer, divided as the owner did."""
+        (:meth:`forwards`): decoded into the caller's buffer (the cross-node stage
+        averaged the values already, as the owner's)."""
         chunk = self.plan.chunks[j]
         groups = self.hspec.groups[j]
         for g, (ks, cross, _) in enumerate(groups):
@@ -580,6 +584,4 @@ class Hierarchical(PieceSteps):
                     await self.codec.run(
                         piece.numel, decode_piece, src[pos : pos + n], piece, xs, 0, self.dtype
                     )
-            if self.spec.avg:
-                self.xp.divide(xs, self.n_world, out=xs)
         await self.node.send(j, PH_HIER_DONE, 0, None, 1)

@@ -255,7 +255,10 @@ def hierarchical_spec(
         replace(
             base,
             plan=make_plan(shard_layout(layout, chunk), nodes, piece_numel, slots),
-            avg=False,  # the owners divide by the world size once, after the cross stage
+            # The cross stage averages over the whole world as it reduces (requantizing
+            # the average, not the sum): no pass over the shard divides after it.
+            avg=base.avg,
+            divisor=len(topology.node_of),
             acc_dtype=_accumulator_dtype(acc_dtype, base.raw),
             inplace=_accumulator_dtype(acc_dtype, base.raw) == acc_dtype,
             algorithm=cross_algorithm,

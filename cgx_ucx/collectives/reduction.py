@@ -58,6 +58,10 @@ class AllreduceSpec:
     stochastic: bool
     seed: int
     algorithm: Algo = Algo.SRA
+    #: With ``avg``: how many contributions the sum is divided by, where that is not the
+    #: group's size (the two-level allreduce's cross-node stage averages over the whole
+    #: world while it requantizes, so no pass after it divides); 0: the group's size.
+    divisor: int = 0
     #: What a path derives from this spec once and reuses on every call of the same
     #: arguments (the spec is kept per argument set): e.g. the mailbox path's
     #: :class:`~cgx_ucx.compression.host_run.HostRun`. Not an argument: a spec made with
@@ -108,6 +112,8 @@ class PieceSteps:
         self.xp = xp_of(x)
         self.rank = call.rank
         self.n_world = call.world_size
+        #: What ``op="avg"`` divides the sum by.
+        self.divisor = spec.divisor or call.world_size
 
     def payload_nbytes(self, piece: Piece) -> int:
         """Bytes of ``piece`` on the wire."""
@@ -176,7 +182,7 @@ class PieceSteps:
             acc,
             base,
             self.x,
-            self.n_world if spec.avg else 0,
+            self.divisor if spec.avg else 0,
             out,
             spec.stochastic,
             spec.seed,

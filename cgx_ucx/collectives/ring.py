@@ -163,7 +163,7 @@ class Ring(PieceSteps):
         for k, piece in enumerate(own.pieces):
             a = acc[piece.start - base : piece.stop - base]
             if self.spec.avg:
-                self.xp.divide(a, self.n_world, out=a)
+                self.xp.divide(a, self.divisor, out=a)
             if self.spec.raw:
                 payload = self.raw_result(piece, a, acc_is_x=False)
             else:

@@ -323,7 +323,7 @@ class Sra(PieceSteps):
         slice of ``acc``."""
         a = await self.add_pieces(acc, k, piece, sorted(self.peers))
         if self.spec.avg:
-            self.xp.divide(a, self.n_world, out=a)
+            self.xp.divide(a, self.divisor, out=a)
         return a
 
     async def add_pieces(self, acc: Any, k: int, piece: Any, peers: list[int]) -> Any:
