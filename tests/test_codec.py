@@ -355,6 +355,24 @@ def test_decode_into_other_float_dtypes(be: Backend) -> None:
 # non-finite values
 
 
+#: NaNs of either sign and with any payload, and the infinities (float32 bits).
+NONFINITE_BITS = [0x7FC00000, 0x7F800001, 0x7FFFFFFF, 0xFFC00000, 0xFF800001, 0xFFFFFFFF,
+                  0x7F800000, 0xFF800000]  # fmt: skip
+
+
+@pytest.mark.parametrize("bits", NONFINITE_BITS, ids=hex)
+def test_every_nonfinite_float32_marks_its_bucket(be: Backend, bits: int) -> None:
+    """Whatever the NaN's sign and payload, beside the largest or smallest finite values
+    of either sign, a bucket holding it decodes as NaN and its neighbours stay finite."""
+    bad = np.array([bits], np.uint32).view(np.float32)[0]
+    big = np.finfo(np.float32).max
+    for neighbour in (big, -big, 0.0, -0.0, 1e-45):
+        x = np.full(12, neighbour, np.float32)
+        x[4:8] = [1.0, bad, -2.0, neighbour]
+        y = be.decode(be.encode(x, 4, 4))
+        assert np.isnan(y[4:8]).all() and np.isfinite(y[:4]).all() and np.isfinite(y[8:]).all()
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_nonfinite_bucket_decodes_nonfinite_only_there(

@@ -73,6 +73,10 @@ _NAN32 = np.float32(np.nan)
 _INF32 = np.float32(np.inf)
 _ZERO32 = np.float32(0.0)
 _HALF32 = np.float32(0.5)
+# Integer keys (see _bucket_meta) of +inf and -inf: a bucket holds a NaN or an infinity
+# exactly when its largest key is at least +inf's or its smallest at most -inf's.
+_KEY_INF = np.int32(0x7F800000)
+_KEY_NEG_INF = np.int32(-0x7F800001)
 #: 2**112 rescales float16 bits shifted into float32 position (exponent bias 127 - 15).
 _F16_SCALE = np.float32(2.0**112)
 #: The rounding key of seed 0 (deterministic rounding's, which never reads it).
@@ -190,20 +194,21 @@ def _bucket_meta(xb, levels):
     """(unit, min) of one bucket: min/max and the finiteness test in one vectorized pass.
     Min and max run on integer keys (the float bits with the magnitude flipped for
     negatives, ordered like the floats): integer min/max vectorize without fast-math,
-    float compare-select reductions do not."""
+    float compare-select reductions do not. The keys order NaNs of either sign beyond
+    the infinities of their sign, so the extreme keys also tell whether any value is not
+    finite: the loop carries the min and max only."""
     kmn = np.int32(0x7FFFFFFF)
     kmx = np.int32(-0x80000000)
-    bad = np.int32(0)
     for i in range(xb.shape[0]):
         u = np.float32(_load(xb, i)).view(np.int32)
         k = np.int32(u ^ ((u >> 31) & 0x7FFFFFFF))
         kmn = min(kmn, k)
         kmx = max(kmx, k)
-        bad |= np.int32((u & 0x7F800000) == 0x7F800000)  # NaN or Inf
     # + 0 turns -0 into +0, so every backend agrees on the zero
     mn = np.int32(kmn ^ ((kmn >> 31) & 0x7FFFFFFF)).view(np.float32) + _ZERO32
     mx = np.int32(kmx ^ ((kmx >> 31) & 0x7FFFFFFF)).view(np.float32) + _ZERO32
     unit = (mx - mn) / levels
+    bad = kmx >= _KEY_INF or kmn <= _KEY_NEG_INF  # NaN or Inf
     if bad or unit - unit != _ZERO32:  # non-finite values or range overflow
         return _NAN32, _NAN32
     return unit, mn
