@@ -341,6 +341,30 @@ def test_parallel_kernels_match_reference(dtype: np.dtype) -> None:
         cpu.set_num_threads(0)
 
 
+def test_codec_threads_shared_again_when_the_ranks_on_the_host_change(monkeypatch) -> None:
+    """Each connect shares the cores out among the ranks on this host (a process group
+    re-formed with more ranks gets a smaller share, and its share back with fewer),
+    unless the user chose a count, which stays."""
+    from cgx_ucx.collectives import bootstrap
+    from cgx_ucx.compression import cpu_threads
+
+    monkeypatch.setattr(bootstrap, "usable_cores", lambda: 8)
+    cpu_threads.set_num_threads(None)
+    try:
+        for ranks, share in [(1, 8), (3, 2), (1, 8), (16, 1), (2, 4)]:
+            bootstrap.share_codec_threads(ranks)
+            assert cpu_threads.num_threads() == share
+            assert not cpu_threads.threads_chosen()
+        cpu_threads.set_num_threads(5)
+        bootstrap.share_codec_threads(3)
+        assert cpu_threads.num_threads() == 5 and cpu_threads.threads_chosen()
+        cpu_threads.set_num_threads(None)
+        bootstrap.share_codec_threads(3)
+        assert cpu_threads.num_threads() == 2
+    finally:
+        cpu_threads.set_num_threads(None)
+
+
 def test_decode_into_other_float_dtypes(be: Backend) -> None:
     x = make_values(1, 3000, np.dtype(np.float32), "normal")
     for bits in (4, 32):

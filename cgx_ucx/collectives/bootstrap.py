@@ -44,7 +44,10 @@ async def all_counted(store: Any, key: str, n: int, end: float, pause: float = 0
 
 
 def share_codec_threads(local_ranks: int) -> None:
-    """Give the CPU codec ``cores // local ranks`` threads, unless someone chose already.
+    """Give the CPU codec ``cores // local ranks`` threads, unless the user chose a count
+    (:func:`~cgx_ucx.compression.cpu_threads.set_num_threads`). Shared again at every
+    connect: a process group re-formed with more ranks on this host (torchft's replica
+    groups after a quorum change) gets its smaller share, not the first job's.
 
     A parallel host codec call waits for its slowest thread; with several ranks per host
     each running all-core kernels, the threads oversubscribe the cores and wait for time
@@ -56,7 +59,9 @@ def share_codec_threads(local_ranks: int) -> None:
     if cpu.threads_chosen():
         return
     cores = usable_cores()
-    limit = cpu.num_threads()
-    threads = max(1, min(cores // max(local_ranks, 1), limit))
-    cpu.set_num_threads(threads)
-    log.info("codec threads per rank: %d (%d cores, %d ranks here)", threads, cores, local_ranks)
+    threads = max(1, cores // max(local_ranks, 1))
+    if threads != cpu.num_threads():
+        log.info(
+            "codec threads per rank: %d (%d cores, %d ranks here)", threads, cores, local_ranks
+        )
+    cpu.share_threads(threads)

@@ -25,6 +25,7 @@ __all__ = [
     "num_threads",
     "run_chunks",
     "set_num_threads",
+    "share_threads",
     "threads_chosen",
 ]
 
@@ -37,7 +38,8 @@ PARALLEL_MIN_NUMEL = 1 << 18
 #: batch) costs a few percent of it, while batches stay small enough to share evenly.
 BATCH_VALUES = 1 << 17
 
-_threads: int | None = None  # set_num_threads(); None: every core this process may use
+_threads: int | None = None  # None: every core this process may use
+_chosen = False  # the count is set_num_threads()'s, not share_threads()'s
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pool_size = 0
 _pool_lock = threading.Lock()
@@ -57,13 +59,24 @@ def set_num_threads(n: int | None) -> None:
     threads during backward) give each rank ``cores // local_ranks``; 1 keeps every call
     on the calling thread.
     """
-    global _threads
+    global _threads, _chosen
     _threads = None if n is None else check_positive_int(n, "codec threads")
+    _chosen = _threads is not None
+
+
+def share_threads(n: int) -> None:
+    """The count the engine shares out to each rank of a host where the user chose none
+    (:func:`threads_chosen` stays False, so the next job's connect shares again: a rank
+    whose process group is re-formed with more or fewer ranks on its host follows them)."""
+    global _threads
+    if not _chosen:
+        _threads = check_positive_int(n, "codec threads")
 
 
 def threads_chosen() -> bool:
-    """Whether :func:`set_num_threads` chose a thread count (else: every core)."""
-    return _threads is not None
+    """Whether :func:`set_num_threads` chose a thread count (else: every core, or the
+    engine's share of them, :func:`share_threads`)."""
+    return _chosen
 
 
 def num_threads() -> int:
