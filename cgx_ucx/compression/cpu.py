@@ -73,10 +73,7 @@ _NAN32 = np.float32(np.nan)
 _INF32 = np.float32(np.inf)
 _ZERO32 = np.float32(0.0)
 _HALF32 = np.float32(0.5)
-# Integer keys (see _bucket_meta) of +inf and -inf: a bucket holds a NaN or an infinity
-# exactly when its largest key is at least +inf's or its smallest at most -inf's.
-_KEY_INF = np.int32(0x7F800000)
-_KEY_NEG_INF = np.int32(-0x7F800001)
+_KEY_INF, _KEY_NEG_INF = np.int32(0x7F800000), np.int32(-0x7F800001)  # see _bucket_meta
 #: 2**112 rescales float16 bits shifted into float32 position (exponent bias 127 - 15).
 _F16_SCALE = np.float32(2.0**112)
 #: The rounding key of seed 0 (deterministic rounding's, which never reads it).
@@ -194,9 +191,8 @@ def _bucket_meta(xb, levels):
     """(unit, min) of one bucket: min/max and the finiteness test in one vectorized pass.
     Min and max run on integer keys (the float bits with the magnitude flipped for
     negatives, ordered like the floats): integer min/max vectorize without fast-math,
-    float compare-select reductions do not. The keys order NaNs of either sign beyond
-    the infinities of their sign, so the extreme keys also tell whether any value is not
-    finite: the loop carries the min and max only."""
+    float compare-select reductions do not. NaNs key beyond the infinities of their sign
+    (the keys of +-inf: _KEY_INF, _KEY_NEG_INF), so the extremes also tell non-finite."""
     kmn = np.int32(0x7FFFFFFF)
     kmx = np.int32(-0x80000000)
     for i in range(xb.shape[0]):
