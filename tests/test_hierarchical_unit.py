@@ -193,11 +193,12 @@ def test_float32_within_rounding_of_an_n_term_sum(layout):
 
 
 @pytest.mark.parametrize("cross", ["sra", "ring"])
-def test_average_taken_once_across_nodes(cross):
+@pytest.mark.parametrize("scheme", ["sharded", "leader"])
+def test_average_taken_once_across_nodes(cross, scheme):
     """op="avg": the cross-node stage divides by the whole world's size where it reduces,
     and nothing divides again: uncompressed within the rounding of an n-term sum and
     compressed within its quantization bound, of the average, on both cross-node
-    algorithms, with the replicas bit-identical."""
+    algorithms and both schemes, with the replicas bit-identical."""
     sizes = LAYOUTS["3x2"]
     world = sum(sizes)
     n = 6001
@@ -210,7 +211,8 @@ def test_average_taken_once_across_nodes(cross):
             out.append(x)
         return out
 
-    results = ok(run_nodes(sizes, body, HierarchyConfig(cross_reduction=cross))[0])
+    hierarchy = HierarchyConfig(cross_reduction=cross, scheme=scheme)
+    results = ok(run_nodes(sizes, body, hierarchy)[0])
     xs = [smooth_data(r, n) for r in range(world)]
     exact = sum(x.astype(np.float64) for x in xs) / world
     tol = world * np.finfo(np.float32).eps * (sum(np.abs(x.astype(np.float64)) for x in xs) / world)
