@@ -531,7 +531,7 @@ class Hierarchical(PieceSteps):
         """The shard's final values into the caller's buffer, averaged if asked and the
         cross-node stage (``averaged``: it ran) did not average them already."""
         if self.spec.avg and not averaged:
-            self.xp.divide(acc, self.n_world, out=acc)
+            self.xp.divide(acc, self.divisor, out=acc)
         if not self.spec.inplace:
             self.x[chunk.start : chunk.stop] = acc
         synchronize(self.x)

@@ -258,7 +258,7 @@ def hierarchical_spec(
             # The cross stage averages over the whole world as it reduces (requantizing
             # the average, not the sum): no pass over the shard divides after it.
             avg=base.avg,
-            divisor=len(topology.node_of),
+            divisor=topology.world_size,
             acc_dtype=_accumulator_dtype(acc_dtype, base.raw),
             inplace=_accumulator_dtype(acc_dtype, base.raw) == acc_dtype,
             algorithm=cross_algorithm,
