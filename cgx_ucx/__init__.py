@@ -4,10 +4,18 @@ The public face only: re-exports (reference: docs/reference/; examples: README.m
 PyTorch is installed, importing cgx_ucx registers the ``cgx`` torch.distributed backend
 (the one side effect), so an existing script changes one line:
 ``dist.init_process_group("cgx")``.
+
+Importing cgx_ucx does not import PyTorch: a job on NumPy or CuPy arrays alone would pay
+about a second and 200 MB of RSS for it. The backend is registered at once where torch is
+already imported, else as soon as torch is (:mod:`._torch_hook`); the torch names
+re-exported here (``GradientSync``, ``cgx_hook``, ...) import it on first use.
 """
 
+import importlib as _importlib
 import importlib.util as _importlib_util
+from typing import Any as _Any
 
+from . import _torch_hook
 from .collectives import CommStats, Communicator, connect
 from .config import CommConfig, CompressionConfig, resolve_comm, resolve_compression
 from .engine import Engine, SyncCommunicator, connect_sync
@@ -65,7 +73,19 @@ __all__ = [
 ]
 
 # torch is an optional extra: the core works on NumPy and CuPy arrays without it.
+_TORCH_NAMES = ("CGXOptions", "CGXState", "GradientSync", "cgx_hook")
 if _importlib_util.find_spec("torch") is not None:
-    from .torch import CGXOptions, CGXState, GradientSync, cgx_hook  # registers "cgx"
+    __all__ += list(_TORCH_NAMES)
+    _torch_hook.register_when_torch_imports()
 
-    __all__ += ["CGXOptions", "CGXState", "GradientSync", "cgx_hook"]
+
+def __getattr__(name: str) -> _Any:
+    """The torch integration on first use: ``cgx_ucx.torch`` and its re-exported names."""
+    if name == "torch" or name in _TORCH_NAMES:
+        module = _importlib.import_module(".torch", __name__)  # registers "cgx"
+        return module if name == "torch" else getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
