@@ -651,7 +651,8 @@ SUMMARIES = {
     "allreduce": "cgx_ucx's all-reduce against torch.distributed gloo in the same processes "
     "on one host, and its point-to-point transfer against `ucx_perftest`.",
     "latency": "Small-call latency hop by hop: torch.distributed `all_reduce` on the `cgx` "
-    "backend, the engine's synchronous face and the asyncio core, against gloo.",
+    "backend, the engine's synchronous face and the asyncio core, against gloo; compressed "
+    "rows once the codec's kernels are loaded, as in a long job.",
     "link": "Ranks in network namespaces joined by veth and shaped with `tc tbf` to a "
     "commodity link: all-reduce and training, cgx_ucx against gloo on the same links, with "
     "the lower bound max(wire bytes / measured rate, codec time).",
