@@ -59,3 +59,27 @@ def test_loop_wait_on_a_full_host_does_not_yield(monkeypatch, calls):
     r = Round(misses=3)
     asyncio.run(local.wait_async(r))
     assert "yield" not in calls and len(r.polls) == 4
+
+
+def test_loop_wait_on_a_full_host_sleeps_the_thread_briefly_and_lets_the_loop_run(
+    monkeypatch, calls
+):
+    # The loop's own timers last at least a millisecond: its first waits are thread
+    # sleeps of FIRST_SLEEP_S, each followed by a turn of the loop's other callbacks.
+    monkeypatch.setattr(local.progress, "host_oversubscribed", lambda: True)
+    r = Round(misses=3)
+    turns: list[int] = []
+
+    async def main() -> None:
+        async def other() -> None:
+            while True:
+                turns.append(len(r.polls))
+                await asyncio.sleep(0)
+
+        task = asyncio.ensure_future(other())
+        await local.wait_async(r)
+        task.cancel()
+
+    asyncio.run(main())
+    assert calls == ["sleep"] * 3 and len(r.polls) == 4
+    assert {1, 2, 3} <= set(turns)  # the other task ran between the polls
