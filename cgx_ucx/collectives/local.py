@@ -372,8 +372,8 @@ async def wait_async(r: Round, poll: Callable[[int], bool] | None = None) -> Non
     # A full host: no yields (see wait_blocking), and for HAND_OVER_S short sleeps of the
     # thread, as wait_blocking sleeps, each followed by a turn of the loop's other
     # callbacks: a timer of the loop's lasts at least a millisecond (epoll's resolution),
-    # about ten times the whole call (4 ranks on 2 cores, 4 KiB: 1.2-1.4 ms a call on the
-    # loop against 0.3 ms on a caller's thread).
+    # longer than a whole call (4 ranks on 2 cores, 4 KiB at 32 bits: 1.2-1.3 ms a call
+    # waiting on timers, 0.38 ms with these sleeps).
     short_end = now if spins else now + HAND_OVER_S
     pause = 0.0 if spins else FIRST_SLEEP_S
     while True:
