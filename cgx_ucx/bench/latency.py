@@ -96,22 +96,42 @@ async def _time_core(op: Callable[[], Any], iters: int, warmup: int) -> list[flo
     return out
 
 
-def _load_kernels(pg: Any, sync: Any, engine: Any, comm: Any, x: Any, bits: list[int]) -> None:
-    """One untimed call of every compressed row's path (torch, sync, core) on ``x``, each
-    compiling or loading what it needs before it runs (see the module docstring)."""
+def _rows(sync: Any, comm: Any, x: Any, bits: int) -> tuple[Any, list[tuple[str, Any, Any]]]:
+    """The configuration and the three paths (torch, sync, core) of the ``cgx{bits}`` row
+    on ``x``, as ``(path, fn, loop_op)``: every path does the same work, the torch rows'
+    configuration and its bucket too (CompressionConfig's 512, not the engine's 1024)."""
     import torch.distributed as dist
 
-    from cgx_ucx.compression import kernels
     from cgx_ucx.config import CompressionConfig
 
     arr = x.numpy()
+
+    async def core_op() -> None:
+        await comm.allreduce(arr, "avg", bits=bits, bucket_size=BUCKET)
+
+    return CompressionConfig(bits=bits, bucket_size=BUCKET, minimal_size=16), [
+        ("torch", lambda: dist.all_reduce(x, op=dist.ReduceOp.AVG), None),
+        ("sync", lambda: sync.allreduce(arr, "avg", bits=bits, bucket_size=BUCKET).result(), None),
+        ("core", None, core_op),
+    ]
+
+
+def _load_kernels(pg: Any, engine: Any, rows: dict[int, Any]) -> None:
+    """One untimed call of every compressed row's paths, each compiling or loading the
+    kernels it needs before it runs (see the module docstring)."""
+    from cgx_ucx.compression import kernels
+
     kernels.compile_in_background(False)
     try:
-        for b in bits:
-            pg.compression = CompressionConfig(bits=b, bucket_size=BUCKET, minimal_size=16)
-            dist.all_reduce(x, op=dist.ReduceOp.AVG)
-            sync.allreduce(arr, "avg", bits=b, bucket_size=BUCKET).result()
-            engine.run(comm.allreduce(arr, "avg", bits=b, bucket_size=BUCKET))
+        for bits, (config, paths) in rows.items():
+            if bits >= 32:
+                continue
+            pg.compression = config
+            for _, fn, loop_op in paths:
+                if loop_op is None:
+                    fn()
+                else:
+                    engine.run(loop_op())
     finally:
         kernels.compile_in_background(True)
 
@@ -206,29 +226,15 @@ def _measure(rank: int, world: int, port: int, opts: dict[str, Any]) -> dict[str
     for kib in opts["sizes_kib"]:
         n = max(int(kib * KiB) // 4, 1)
         x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
-        arr = x.numpy()
+        rows = {bits: _rows(sync, comm, x, bits) for bits in opts["bits"]}
         dist.barrier(group=gloo)
-        _load_kernels(pg, sync, engine, comm, x, [b for b in opts["bits"] if b < 32])
+        _load_kernels(pg, engine, rows)
         for calls in turns:
             block((kib, "torch", "gloo"), calls, lambda x=x: dist.all_reduce(x, group=gloo))
-            for bits in opts["bits"]:
-                name = f"cgx{bits}"
-                # Every path of a row does the same work: the torch rows' configuration,
-                # its bucket too (CompressionConfig's 512, not the engine's 1024).
-                pg.compression = CompressionConfig(bits=bits, bucket_size=BUCKET, minimal_size=16)
-                block((kib, "torch", name), calls, lambda x=x: dist.all_reduce(x, op=AVG))
-                block(
-                    (kib, "sync", name),
-                    calls,
-                    lambda a=arr, b=bits: sync.allreduce(
-                        a, "avg", bits=b, bucket_size=BUCKET
-                    ).result(),
-                )
-
-                async def core_op(b: int = bits, arr: np.ndarray = arr) -> None:
-                    await comm.allreduce(arr, "avg", bits=b, bucket_size=BUCKET)
-
-                block((kib, "core", name), calls, loop_op=core_op)
+            for bits, (config, paths) in rows.items():
+                pg.compression = config
+                for path, fn, loop_op in paths:
+                    block((kib, path, f"cgx{bits}"), calls, fn, loop_op=loop_op)
     dist.barrier(group=gloo)
     for calls in turns:
         block((0, "torch", "gloo barrier"), calls, lambda: dist.barrier(group=gloo))
